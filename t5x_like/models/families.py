@@ -1,0 +1,208 @@
+"""The three Flax modules: encoder (BERT), decoder (GPT-2) and encoder-decoder (T5).
+
+Each takes a batch dict with the feature names of DESIGN.md and returns logits.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from t5x_like.models.attention import attention_mask
+from t5x_like.models.config import ModelConfig
+from t5x_like.models.layers import (DenseGeneral, Embed, activation, compute_dtype, constrain,
+                                    init_std, make_norm, normal_init)
+from t5x_like.models.transformer import Stack, decode_step
+
+Array = jax.Array
+Batch = dict
+
+
+def _positions(batch: Batch, key: str, tokens: Array) -> Array:
+  if key in batch and batch[key] is not None:
+    return batch[key]
+  return jnp.broadcast_to(jnp.arange(tokens.shape[1])[None], tokens.shape)
+
+
+def _token_embed(cfg: ModelConfig) -> Embed:
+  return Embed(cfg.vocab_size, cfg.d_model, embedding_init=normal_init(cfg.init_std),
+               dtype=compute_dtype(cfg), name="token_embed")
+
+
+def _add_learned_positions(cfg: ModelConfig, x: Array, positions: Array) -> Array:
+  if cfg.position_embedding != "learned":
+    return x
+  table = Embed(cfg.max_position_embeddings, cfg.d_model, axes=("abs_pos", "embed"),
+                embedding_init=normal_init(cfg.init_std), dtype=compute_dtype(cfg),
+                name="position_embed")
+  return x + table(positions)
+
+
+def _output_logits(cfg: ModelConfig, embed: Embed, x: Array, name: str = "logits") -> Array:
+  """[B, T, D] -> [B, T, V]: tied (optionally scaled by d_model**-0.5) or a separate layer."""
+  if cfg.tie_embeddings:
+    if cfg.scale_tied_logits:
+      x = x * cfg.d_model ** -0.5
+    logits = embed.attend(x)
+  else:
+    logits = DenseGeneral(features=(cfg.vocab_size,), axes=("embed", "vocab"), use_bias=False,
+                          kernel_init=normal_init(init_std(cfg, cfg.d_model)),
+                          dtype=compute_dtype(cfg), name=name)(x)
+  return constrain(logits, ("batch", "length", "vocab"))
+
+
+class EncoderModule(nn.Module):
+  """BERT: embeddings (+type, +norm), bidirectional stack, MLM and NSP heads.
+
+  Returns {'hidden': [B, L, D], 'mlm_logits': [B, P or L, V], 'nsp_logits': [B, 2]};
+  MLM logits are computed only at `mlm_positions` when the batch has them.
+  """
+
+  config: ModelConfig
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, batch: Batch) -> dict[str, Array]:
+    cfg = self.config
+    dtype = compute_dtype(cfg)
+    tokens = batch["encoder_input_tokens"]
+    positions = _positions(batch, "encoder_positions", tokens)
+    embed = _token_embed(cfg)
+    x = _add_learned_positions(cfg, embed(tokens), positions)
+    if cfg.type_vocab_size:
+      type_ids = batch.get("encoder_type_ids")
+      type_ids = jnp.zeros_like(tokens) if type_ids is None else type_ids
+      x = x + Embed(cfg.type_vocab_size, cfg.d_model, axes=("types", "embed"),
+                    embedding_init=normal_init(cfg.init_std), dtype=dtype,
+                    name="type_embed")(type_ids)
+    if cfg.embedding_norm:
+      x = make_norm(cfg, "embedding_norm")(x)
+    x = nn.Dropout(cfg.dropout_rate)(x, deterministic=self.deterministic)
+    x = constrain(x, ("batch", "length", "embed"))
+    segments = batch.get("encoder_segment_ids")
+    mask = attention_mask(tokens > 0 if segments is None else segments > 0,
+                          query_segment_BxQ=segments, key_segment_BxK=segments)
+    x = Stack(cfg, cfg.num_layers, causal=False, deterministic=self.deterministic,
+              name="encoder")(x, mask, positions)
+    out = {"hidden": x}
+    if cfg.mlm_head:
+      h = x
+      if batch.get("mlm_positions") is not None:
+        h = jnp.take_along_axis(x, batch["mlm_positions"][..., None].astype(jnp.int32), axis=1)
+      h = DenseGeneral(features=(cfg.d_model,), axes=("embed", "mlp"),
+                       kernel_init=normal_init(cfg.init_std), dtype=dtype,
+                       name="mlm_transform")(h)
+      act = "gelu" if cfg.gated_mlp else cfg.mlp_activation
+      h = make_norm(cfg, "mlm_norm")(activation(act)(h))
+      bias = self.param("mlm_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
+                        (cfg.vocab_size,), jnp.float32)
+      out["mlm_logits"] = embed.attend(h) + bias.astype(dtype)
+    if cfg.nsp_head:
+      pooled = DenseGeneral(features=(cfg.d_model,), axes=("embed", "mlp"),
+                            kernel_init=normal_init(cfg.init_std), dtype=dtype,
+                            name="pooler")(x[:, 0])
+      out["nsp_logits"] = DenseGeneral(features=(2,), axes=("embed", None),
+                                       kernel_init=normal_init(cfg.init_std), dtype=dtype,
+                                       name="nsp")(jnp.tanh(pooled))
+    return out
+
+
+class DecoderModule(nn.Module):
+  """GPT-2: causal (or prefix-LM) decoder-only LM. [B, T] tokens -> [B, T, V] logits."""
+
+  config: ModelConfig
+  deterministic: bool = True
+  decode: bool = False
+
+  @nn.compact
+  def __call__(self, batch: Batch) -> Array:
+    cfg = self.config
+    tokens = batch["decoder_input_tokens"]
+    segments = batch.get("decoder_segment_ids")
+    decode_index = None
+    if self.decode:
+      decode_index, positions, mask = decode_step(self, *tokens.shape)
+    else:
+      positions = _positions(batch, "decoder_positions", tokens)
+      mask = attention_mask(jnp.ones_like(tokens) if segments is None else segments > 0,
+                            query_segment_BxQ=segments, key_segment_BxK=segments, causal=True,
+                            prefix_BxQ=batch.get("decoder_causal_attention"))
+    embed = _token_embed(cfg)
+    x = _add_learned_positions(cfg, embed(tokens), positions)
+    x = nn.Dropout(cfg.dropout_rate)(x, deterministic=self.deterministic)
+    x = constrain(x, ("batch", "length", "embed"))
+    x = Stack(cfg, cfg.num_layers, causal=True, deterministic=self.deterministic,
+              decode=self.decode, name="decoder")(x, mask, positions,
+                                                  decode_index=decode_index)
+    return _output_logits(cfg, embed, x)
+
+
+class EncoderDecoderModule(nn.Module):
+  """T5: shared token embedding, bidirectional encoder, causal decoder with cross-attention.
+
+  __call__(batch) -> [B, T, V]; `encode` and `decode` are exposed for generation.
+  """
+
+  config: ModelConfig
+  deterministic: bool = True
+  decode: bool = False
+
+  def setup(self):
+    cfg = self.config
+    self.token_embed = _token_embed(cfg)
+    self.encoder = Stack(cfg, cfg.num_layers, causal=False, deterministic=self.deterministic,
+                         name="encoder")
+    self.decoder = Stack(cfg, cfg.decoder_layers, causal=True, cross_attention=True,
+                         deterministic=self.deterministic, decode=self.decode, name="decoder")
+    self.dropout = nn.Dropout(cfg.dropout_rate)
+    if not cfg.tie_embeddings:
+      self.logits_dense = DenseGeneral(
+          features=(cfg.vocab_size,), axes=("embed", "vocab"), use_bias=False,
+          kernel_init=normal_init(init_std(cfg, cfg.d_model)), dtype=compute_dtype(cfg))
+
+  def _embed(self, tokens: Array, positions: Array) -> Array:
+    del positions  # T5 positions enter through the relative bias (or RoPE) in the stacks
+    x = self.dropout(self.token_embed(tokens), deterministic=self.deterministic)
+    return constrain(x, ("batch", "length", "embed"))
+
+  def encode(self, batch: Batch) -> Array:
+    """encoder_input_tokens [B, L] -> encoded [B, L, D]."""
+    tokens = batch["encoder_input_tokens"]
+    segments = batch.get("encoder_segment_ids")
+    positions = _positions(batch, "encoder_positions", tokens)
+    mask = attention_mask(tokens > 0 if segments is None else segments > 0,
+                          query_segment_BxQ=segments, key_segment_BxK=segments)
+    return self.encoder(self._embed(tokens, positions), mask, positions)
+
+  def decode_logits(self, encoded: Array, batch: Batch) -> Array:
+    """encoded [B, L, D] and decoder_input_tokens [B, T] -> logits [B, T, V]."""
+    tokens = batch["decoder_input_tokens"]
+    segments = batch.get("decoder_segment_ids")
+    enc_tokens = batch["encoder_input_tokens"]
+    enc_segments = batch.get("encoder_segment_ids")
+    decode_index = None
+    if self.decode:
+      decode_index, positions, mask = decode_step(self, *tokens.shape)
+    else:
+      positions = _positions(batch, "decoder_positions", tokens)
+      mask = attention_mask(jnp.ones_like(tokens) if segments is None else segments > 0,
+                            query_segment_BxQ=segments, key_segment_BxK=segments, causal=True,
+                            prefix_BxQ=batch.get("decoder_causal_attention"))
+    cross_valid = enc_tokens > 0 if enc_segments is None else enc_segments > 0
+    if segments is not None and enc_segments is not None:
+      cross_mask = attention_mask(cross_valid, query_segment_BxQ=segments,
+                                  key_segment_BxK=enc_segments)
+    else:
+      cross_mask = attention_mask(cross_valid)
+    x = self.decoder(self._embed(tokens, positions), mask, positions, encoded, cross_mask,
+                     decode_index)
+    cfg = self.config
+    if cfg.tie_embeddings:
+      return _output_logits(cfg, self.token_embed, x)
+    return constrain(self.logits_dense(x), ("batch", "length", "vocab"))
+
+  def __call__(self, batch: Batch) -> Array:
+    return self.decode_logits(self.encode(batch), batch)

@@ -1,0 +1,58 @@
+"""Losses and metrics: weighted token cross-entropy with z-loss and label smoothing."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def cross_entropy(logits: Array, targets: Array, *, z_loss: float = 0.0,
+                  label_smoothing: float = 0.0) -> tuple[Array, Array]:
+  """Per-token loss and z-loss term, both [...] float32.
+
+  logits [..., V], integer targets [...]. With label smoothing eps the target
+  distribution is 1 - eps on the target and eps / (V - 1) on every other id, and the
+  loss is shifted by that distribution's entropy so that a perfect model scores 0
+  (as T5X).
+  z_loss adds z_loss * log(Z)^2 to keep the softmax normaliser near 1.
+  """
+  logits = logits.astype(jnp.float32)
+  vocab = logits.shape[-1]
+  log_z = jax.nn.logsumexp(logits, axis=-1)
+  log_probs = logits - log_z[..., None]
+  target_logp = jnp.take_along_axis(log_probs, targets[..., None].astype(jnp.int32), -1)[..., 0]
+  if label_smoothing > 0.0:
+    confidence = 1.0 - label_smoothing
+    low = label_smoothing / (vocab - 1)
+    entropy = -(confidence * jnp.log(confidence) + (vocab - 1) * low * jnp.log(low + 1e-20))
+    off_target = jnp.sum(log_probs, axis=-1) - target_logp
+    loss = -(confidence * target_logp + low * off_target) - entropy
+  else:
+    loss = -target_logp
+  z_term = z_loss * jnp.square(log_z)
+  return loss + z_term, z_term
+
+
+def weighted_mean(values: Array, weights: Optional[Array], eps: float = 0.0) -> Array:
+  """sum(w * v) / (sum(w) + eps); unweighted mean when weights is None."""
+  if weights is None:
+    return jnp.mean(values)
+  weights = weights.astype(jnp.float32)
+  return jnp.sum(values * weights) / (jnp.sum(weights) + eps)
+
+
+def token_metrics(prefix: str, logits: Array, targets: Array, weights: Optional[Array],
+                  loss: Array, z_term: Array, eps: float = 0.0) -> dict[str, Array]:
+  """Weighted means <prefix>_loss, _z_loss, _accuracy, and the <prefix>_tokens count."""
+  w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
+  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+  return {
+      f"{prefix}_loss": weighted_mean(loss, w, eps),
+      f"{prefix}_z_loss": weighted_mean(z_term, w, eps),
+      f"{prefix}_accuracy": weighted_mean(correct, w, eps),
+      f"{prefix}_tokens": jnp.sum(w),
+  }

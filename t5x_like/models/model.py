@@ -1,0 +1,163 @@
+"""The model contract of DESIGN.md: pure functions around a Flax module.
+
+  init(rng, batch_shapes) -> params
+  loss_fn(params, batch, dropout_rng) -> (loss, metrics)
+  logits(params, batch) -> logits
+
+The trainer never touches the module; `param_axes` gives the logical axis names of
+every parameter for sharding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from t5x_like.models import losses
+from t5x_like.models.config import ModelConfig
+from t5x_like.models.families import DecoderModule, EncoderDecoderModule, EncoderModule
+
+Array = jax.Array
+Params = Any
+
+
+def _zeros_batch(batch_shapes: Mapping[str, Any]) -> dict[str, Array]:
+  """Shapes (tuples) or arrays -> int32 zero arrays, so init sees only shapes."""
+  out = {}
+  for name, value in batch_shapes.items():
+    shape = tuple(value) if isinstance(value, (tuple, list)) else np.shape(value)
+    out[name] = jnp.zeros(shape, jnp.int32)
+  return out
+
+
+class Model:
+  """Base class; subclasses set the module and the loss."""
+
+  module_class: type[nn.Module]
+
+  def __init__(self, config: ModelConfig):
+    self.config = config
+
+  def module(self, *, deterministic: bool = True, **kw) -> nn.Module:
+    return self.module_class(self.config, deterministic=deterministic, **kw)
+
+  # ------------------------------------------------------------------ init
+  def _init_boxed(self, rng: Array, batch_shapes: Mapping[str, Any]) -> Params:
+    return self.module().init({"params": rng}, _zeros_batch(batch_shapes))["params"]
+
+  def init(self, rng: Array, batch_shapes: Optional[Mapping[str, Any]] = None) -> Params:
+    """Float32 params (plain arrays) for a batch of the given shapes."""
+    shapes = batch_shapes or self.example_batch_shapes()
+    return nn.meta.unbox(self._init_boxed(rng, shapes))
+
+  def param_axes(self, batch_shapes: Optional[Mapping[str, Any]] = None) -> Params:
+    """Tree of PartitionSpecs of logical axis names, one per parameter."""
+    shapes = batch_shapes or self.example_batch_shapes()
+    boxed = jax.eval_shape(lambda: self._init_boxed(jax.random.key(0), shapes))
+    return nn.get_partition_spec(boxed)
+
+  def param_shapes(self, batch_shapes: Optional[Mapping[str, Any]] = None) -> Params:
+    """ShapeDtypeStructs of the params, without allocating them."""
+    shapes = batch_shapes or self.example_batch_shapes()
+    return jax.eval_shape(lambda: self.init(jax.random.key(0), shapes))
+
+  def num_params(self) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.param_shapes()))
+
+  # ---------------------------------------------------------------- forward
+  def apply(self, params: Params, batch: Mapping[str, Array], *,
+            dropout_rng: Optional[Array] = None, **module_kw):
+    module = self.module(deterministic=dropout_rng is None, **module_kw)
+    rngs = {} if dropout_rng is None else {"dropout": dropout_rng}
+    return module.apply({"params": params}, dict(batch), rngs=rngs)
+
+  def logits(self, params: Params, batch: Mapping[str, Array]):
+    """Deterministic forward; see each family for the output."""
+    return self.apply(params, batch)
+
+
+class EncoderModel(Model):
+  """BERT. logits() -> {'mlm_logits': [B, L, V], 'nsp_logits': [B, 2]} at every position."""
+
+  module_class = EncoderModule
+
+  def example_batch_shapes(self, batch: int = 2, length: int = 8) -> dict[str, tuple]:
+    return {"encoder_input_tokens": (batch, length), "encoder_type_ids": (batch, length)}
+
+  def logits(self, params, batch):
+    batch = {k: v for k, v in batch.items() if k != "mlm_positions"}
+    out = self.apply(params, batch)
+    return {k: v for k, v in out.items() if k != "hidden"}
+
+  def loss_fn(self, params, batch, dropout_rng):
+    """MLM loss at mlm_positions (SPECS.md 2: sum(w nll) / (sum(w) + 1e-5)) + NSP mean CE."""
+    cfg = self.config
+    out = self.apply(params, batch, dropout_rng=dropout_rng)
+    loss = jnp.zeros((), jnp.float32)
+    metrics = {}
+    if cfg.mlm_head and "mlm_targets" in batch:
+      weights = batch.get("mlm_weights")
+      per_token, z_term = losses.cross_entropy(out["mlm_logits"], batch["mlm_targets"],
+                                               z_loss=cfg.z_loss,
+                                               label_smoothing=cfg.label_smoothing)
+      metrics.update(losses.token_metrics("mlm", out["mlm_logits"], batch["mlm_targets"],
+                                          weights, per_token, z_term, eps=1e-5))
+      loss = loss + metrics["mlm_loss"]
+    if cfg.nsp_head and "nsp_labels" in batch:
+      nsp_loss, _ = losses.cross_entropy(out["nsp_logits"], batch["nsp_labels"])
+      nsp_correct = jnp.argmax(out["nsp_logits"], -1) == batch["nsp_labels"]
+      metrics["nsp_loss"] = jnp.mean(nsp_loss)
+      metrics["nsp_accuracy"] = jnp.mean(nsp_correct.astype(jnp.float32))
+      loss = loss + metrics["nsp_loss"]
+    metrics["loss"] = loss
+    return loss, metrics
+
+
+class _SequenceModel(Model):
+  """Shared loss for models whose output is [B, T, V] decoder logits."""
+
+  def loss_fn(self, params, batch, dropout_rng):
+    """sum(w * nll) / sum(w) over decoder_target_tokens, w = decoder_loss_weights."""
+    cfg = self.config
+    logits = self.apply(params, batch, dropout_rng=dropout_rng)
+    targets = batch["decoder_target_tokens"]
+    weights = batch.get("decoder_loss_weights")
+    per_token, z_term = losses.cross_entropy(logits, targets, z_loss=cfg.z_loss,
+                                             label_smoothing=cfg.label_smoothing)
+    metrics = losses.token_metrics("token", logits, targets, weights, per_token, z_term)
+    metrics["loss"] = metrics["token_loss"]
+    return metrics["loss"], metrics
+
+
+class DecoderModel(_SequenceModel):
+  """GPT-2. logits() -> [B, T, V] next-token logits of decoder_input_tokens."""
+
+  module_class = DecoderModule
+
+  def example_batch_shapes(self, batch: int = 2, length: int = 8) -> dict[str, tuple]:
+    return {"decoder_input_tokens": (batch, length)}
+
+
+class EncoderDecoderModel(_SequenceModel):
+  """T5. logits() -> [B, T, V] decoder logits given encoder and decoder inputs."""
+
+  module_class = EncoderDecoderModule
+
+  def example_batch_shapes(self, batch: int = 2, length: int = 8) -> dict[str, tuple]:
+    return {"encoder_input_tokens": (batch, length), "decoder_input_tokens": (batch, length)}
+
+
+MODEL_CLASSES = {
+    "encoder": EncoderModel,
+    "decoder": DecoderModel,
+    "encoder_decoder": EncoderDecoderModel,
+}
+
+
+def build_model(config: ModelConfig) -> Model:
+  """The model class for config.family."""
+  return MODEL_CLASSES[config.family](config)
