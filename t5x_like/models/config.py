@@ -47,7 +47,7 @@ class ModelConfig:
   rope_theta: float = 10000.0
   scale_attention: bool = True  # False: no 1/sqrt(head_dim) (T5 folds it into init)
   tie_embeddings: bool = True  # output layer = token embedding transposed
-  scale_tied_logits: bool = False  # T5 v1.0: decoder output * d_model**-0.5 before tied logits
+  scale_decoder_output: bool = False  # T5 v1.0: final hidden * d_model**-0.5 before the logits
   mlm_head: bool = False  # BERT MLM transform + tied decoder + output bias
   nsp_head: bool = False  # BERT pooler + next-sentence classifier
   dropout_rate: float = 0.1
@@ -160,7 +160,7 @@ def t5(version: str, d_model: int, d_ff: int, layers: int, heads: int, **kw) -> 
       head_dim=64, d_ff=d_ff, num_layers=layers, num_decoder_layers=layers,
       mlp_activation="geglu_tanh" if v11 else "relu", norm="rmsnorm", norm_eps=1e-6,
       pre_norm=True, final_norm=True, use_bias=False, position_embedding="relative",
-      scale_attention=False, tie_embeddings=not v11, scale_tied_logits=not v11,
+      scale_attention=False, tie_embeddings=not v11, scale_decoder_output=not v11,
       dropout_rate=0.0 if v11 else 0.1, attention_dropout_rate=0.0 if v11 else 0.1,
       mlp_hidden_dropout=True, init_scheme="t5", init_std=1.0)
   return ModelConfig(**{**base, **kw})

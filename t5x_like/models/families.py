@@ -41,16 +41,21 @@ def _add_learned_positions(cfg: ModelConfig, x: Array, positions: Array) -> Arra
   return x + table(positions)
 
 
-def _output_logits(cfg: ModelConfig, embed: Embed, x: Array, name: str = "logits") -> Array:
-  """[B, T, D] -> [B, T, V]: tied (optionally scaled by d_model**-0.5) or a separate layer."""
+def _logits_dense(cfg: ModelConfig, name: Optional[str] = None) -> Optional[DenseGeneral]:
+  """The untied output layer [D, V], or None when logits are tied to the embedding."""
   if cfg.tie_embeddings:
-    if cfg.scale_tied_logits:
-      x = x * cfg.d_model ** -0.5
-    logits = embed.attend(x)
-  else:
-    logits = DenseGeneral(features=(cfg.vocab_size,), axes=("embed", "vocab"), use_bias=False,
-                          kernel_init=normal_init(init_std(cfg, cfg.d_model)),
-                          dtype=compute_dtype(cfg), name=name)(x)
+    return None
+  return DenseGeneral(features=(cfg.vocab_size,), axes=("embed", "vocab"), use_bias=False,
+                      kernel_init=normal_init(init_std(cfg, cfg.d_model)),
+                      dtype=compute_dtype(cfg), name=name)
+
+
+def _output_logits(cfg: ModelConfig, embed: Embed, dense: Optional[DenseGeneral],
+                   x: Array) -> Array:
+  """[B, T, D] -> [B, T, V] through the tied embedding or the untied `dense`."""
+  if cfg.scale_decoder_output:
+    x = x * cfg.d_model ** -0.5
+  logits = embed.attend(x) if dense is None else dense(x)
   return constrain(logits, ("batch", "length", "vocab"))
 
 
@@ -137,7 +142,7 @@ class DecoderModule(nn.Module):
     x = Stack(cfg, cfg.num_layers, causal=True, deterministic=self.deterministic,
               decode=self.decode, name="decoder")(x, mask, positions,
                                                   decode_index=decode_index)
-    return _output_logits(cfg, embed, x)
+    return _output_logits(cfg, embed, _logits_dense(cfg, "logits_dense"), x)
 
 
 class EncoderDecoderModule(nn.Module):
@@ -158,10 +163,7 @@ class EncoderDecoderModule(nn.Module):
     self.decoder = Stack(cfg, cfg.decoder_layers, causal=True, cross_attention=True,
                          deterministic=self.deterministic, decode=self.decode, name="decoder")
     self.dropout = nn.Dropout(cfg.dropout_rate)
-    if not cfg.tie_embeddings:
-      self.logits_dense = DenseGeneral(
-          features=(cfg.vocab_size,), axes=("embed", "vocab"), use_bias=False,
-          kernel_init=normal_init(init_std(cfg, cfg.d_model)), dtype=compute_dtype(cfg))
+    self.logits_dense = _logits_dense(cfg)
 
   def _embed(self, tokens: Array, positions: Array) -> Array:
     del positions  # T5 positions enter through the relative bias (or RoPE) in the stacks
@@ -177,6 +179,7 @@ class EncoderDecoderModule(nn.Module):
                           query_segment_BxQ=segments, key_segment_BxK=segments)
     return self.encoder(self._embed(tokens, positions), mask, positions)
 
+  @nn.compact  # decode=True creates cache variables here, which needs a compact method
   def decode_logits(self, encoded: Array, batch: Batch) -> Array:
     """encoded [B, L, D] and decoder_input_tokens [B, T] -> logits [B, T, V]."""
     tokens = batch["decoder_input_tokens"]
@@ -199,10 +202,7 @@ class EncoderDecoderModule(nn.Module):
       cross_mask = attention_mask(cross_valid)
     x = self.decoder(self._embed(tokens, positions), mask, positions, encoded, cross_mask,
                      decode_index)
-    cfg = self.config
-    if cfg.tie_embeddings:
-      return _output_logits(cfg, self.token_embed, x)
-    return constrain(self.logits_dense(x), ("batch", "length", "vocab"))
+    return _output_logits(self.config, self.token_embed, self.logits_dense, x)
 
   def __call__(self, batch: Batch) -> Array:
     return self.decode_logits(self.encode(batch), batch)
