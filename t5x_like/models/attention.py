@@ -138,22 +138,26 @@ class MultiHeadAttention(nn.Module):
     dtype = compute_dtype(cfg)
     n, kvh, h, d = cfg.num_heads, cfg.kv_heads, cfg.dim_per_head, cfg.d_model
 
-    def proj(heads, std, name):
-      return DenseGeneral(features=(heads, h), axes=("embed", "heads", "kv"),
+    # K/V heads shard like the query heads under MHA; with GQA/MQA there are only kvh of
+    # them (possibly fewer than the tensor-parallel devices), named 'kv_heads'.
+    kv_axis = "heads" if kvh == n else "kv_heads"
+
+    def proj(heads, heads_axis, std, name):
+      return DenseGeneral(features=(heads, h), axes=("embed", heads_axis, "kv"),
                           use_bias=cfg.use_bias, kernel_init=normal_init(std), dtype=dtype,
                           name=name)
 
     q_std = init_std(cfg, d * h) if cfg.init_scheme == "t5" else init_std(cfg, d)
-    q = proj(n, q_std, "query")(x_q)
-    k = proj(kvh, init_std(cfg, d), "key")(x_kv)
-    v = proj(kvh, init_std(cfg, d), "value")(x_kv)
+    q = proj(n, "heads", q_std, "query")(x_q)
+    k = proj(kvh, kv_axis, init_std(cfg, d), "key")(x_kv)
+    v = proj(kvh, kv_axis, init_std(cfg, d), "value")(x_kv)
     if cfg.position_embedding == "rope" and positions_q is not None:
       q = apply_rope(q, positions_q, cfg.rope_theta)
       k = apply_rope(k, positions_kv if positions_kv is not None else positions_q,
                      cfg.rope_theta)
     q = constrain(q, ("batch", "length", "heads", "kv"))
-    k = constrain(k, ("batch", "length", "kv_heads", "kv"))
-    v = constrain(v, ("batch", "length", "kv_heads", "kv"))
+    k = constrain(k, ("batch", "length", kv_axis, "kv"))
+    v = constrain(v, ("batch", "length", kv_axis, "kv"))
 
     if self.decode:
       k, v = self._update_cache(k, v, decode_index)

@@ -1,0 +1,68 @@
+"""Device mesh construction: named axes sized from a config, -1 meaning "the rest"."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator, Mapping, Optional, Sequence, Union
+
+import flax.linen as nn
+import jax
+from jax.sharding import AxisType, Mesh
+
+from t5x_like.parallel.rules import DEFAULT_RULES, rules_for_mesh
+
+AxisSizes = Union[Mapping[str, int], Sequence[tuple[str, int]]]
+
+
+def resolve_axis_sizes(axis_sizes: AxisSizes, num_devices: int) -> dict[str, int]:
+  """{name: size} with one -1 replaced so that the sizes multiply to num_devices.
+
+  Raises ValueError (naming the axes and the device count) when that is impossible.
+  """
+  items = list(axis_sizes.items() if isinstance(axis_sizes, Mapping) else axis_sizes)
+  names = [str(n) for n, _ in items]
+  sizes = [int(s) for _, s in items]
+  if not items:
+    raise ValueError("make_mesh: no mesh axes given")
+  if len(set(names)) != len(names):
+    raise ValueError(f"make_mesh: duplicate mesh axis names in {names}")
+  shown = dict(zip(names, sizes))
+  if sizes.count(-1) > 1:
+    raise ValueError(f"make_mesh: at most one axis may be -1, got {shown}")
+  if any(s == 0 or s < -1 for s in sizes):
+    raise ValueError(f"make_mesh: axis sizes must be positive or -1, got {shown}")
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if num_devices % known:
+      raise ValueError(f"make_mesh: axes {shown} cannot fill {num_devices} devices: the fixed"
+                       f" sizes multiply to {known}, which does not divide {num_devices}")
+    sizes[sizes.index(-1)] = num_devices // known
+  elif known != num_devices:
+    raise ValueError(f"make_mesh: axes {shown} multiply to {known} devices, but there are"
+                     f" {num_devices} devices; use -1 for one axis to fill the rest")
+  return dict(zip(names, sizes))
+
+
+def make_mesh(axis_sizes: AxisSizes, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+  """A Mesh over `devices` (default: all) with Auto axis types.
+
+  axis_sizes: {'data': -1, 'fsdp': 2, 'tensor': 1} or [('data', -1), ('model', 2)].
+  Auto (not Explicit) axes are what Flax linen's logical partitioning expects.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = resolve_axis_sizes(axis_sizes, len(devices))
+  return jax.make_mesh(tuple(sizes.values()), tuple(sizes),
+                       axis_types=(AxisType.Auto,) * len(sizes), devices=devices)
+
+
+@contextlib.contextmanager
+def mesh_rules(mesh: Mesh, rules=DEFAULT_RULES) -> Iterator[tuple]:
+  """Context: `mesh` set globally and `rules` (restricted to it) active for Flax.
+
+  Inside it `nn.with_logical_constraint` in the models shards activations under jit.
+  Yields the restricted rules.
+  """
+  restricted = rules_for_mesh(rules, mesh.axis_names)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(restricted):
+    yield restricted

@@ -1,0 +1,29 @@
+"""The `t5x-like` command: presets listing and the smoke run on the embedded corpus."""
+
+import json
+
+import pytest
+
+from t5x_like import cli, corpus
+
+
+def test_models_prints_parameter_counts(capsys):
+  assert cli.main(["models", "bert-base", "gpt2-124m"]) == 0
+  rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+  # BERT-base and GPT-2 small as published (BertForPreTraining / GPT2LMHeadModel).
+  assert {r["preset"]: r["params"] for r in rows} == {"bert-base": 110106428,
+                                                      "gpt2-124m": 124439808}
+
+
+def test_embedded_corpus_ships_eight_books():
+  names = corpus.book_names()
+  assert len(names) == 8 and "melville_moby_dick" in names
+  assert corpus.read_book("melville_moby_dick").count("\n\n") > 1000  # paragraphs kept
+  with pytest.raises(FileNotFoundError, match="no book 'nope'"):
+    corpus.read_book("nope")
+
+
+@pytest.mark.slow
+def test_smoke_learns_on_the_corpus(capsys):
+  assert cli.main(["smoke", "--steps", "12", "--batch", "8", "--length", "32"]) == 0
+  assert len(capsys.readouterr().out.splitlines()) == 3
