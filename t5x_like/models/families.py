@@ -27,6 +27,30 @@ def _positions(batch: Batch, key: str, tokens: Array) -> Array:
   return jnp.broadcast_to(jnp.arange(tokens.shape[1])[None], tokens.shape)
 
 
+def _encoder_mask(batch: Batch) -> Array:
+  """Bidirectional [B, 1, L, L] mask: real tokens (or packed segments) see their own."""
+  tokens = batch["encoder_input_tokens"]
+  segments = batch.get("encoder_segment_ids")
+  return attention_mask(tokens > 0 if segments is None else segments > 0,
+                        query_segment_BxQ=segments, key_segment_BxK=segments)
+
+
+def _decoder_positions_and_mask(module: nn.Module, batch: Batch):
+  """(decode_index or None, positions [B, T], causal / prefix-LM mask [B, 1, T, S]).
+
+  Padding is not masked by token id (GPT-2's id 0 is a real token): right padding
+  cannot reach real positions through a causal mask, and packed rows use segment ids.
+  """
+  tokens = batch["decoder_input_tokens"]
+  if module.decode:
+    return decode_step(module, *tokens.shape)
+  segments = batch.get("decoder_segment_ids")
+  mask = attention_mask(jnp.ones_like(tokens) if segments is None else segments > 0,
+                        query_segment_BxQ=segments, key_segment_BxK=segments, causal=True,
+                        prefix_BxQ=batch.get("decoder_causal_attention"))
+  return None, _positions(batch, "decoder_positions", tokens), mask
+
+
 def _token_embed(cfg: ModelConfig) -> Embed:
   return Embed(cfg.vocab_size, cfg.d_model, embedding_init=normal_init(cfg.init_std),
                dtype=compute_dtype(cfg), name="token_embed")
@@ -87,11 +111,8 @@ class EncoderModule(nn.Module):
       x = make_norm(cfg, "embedding_norm")(x)
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=self.deterministic)
     x = constrain(x, ("batch", "length", "embed"))
-    segments = batch.get("encoder_segment_ids")
-    mask = attention_mask(tokens > 0 if segments is None else segments > 0,
-                          query_segment_BxQ=segments, key_segment_BxK=segments)
     x = Stack(cfg, cfg.num_layers, causal=False, deterministic=self.deterministic,
-              name="encoder")(x, mask, positions)
+              name="encoder")(x, _encoder_mask(batch), positions)
     out = {"hidden": x}
     if cfg.mlm_head:
       h = x
@@ -126,15 +147,7 @@ class DecoderModule(nn.Module):
   def __call__(self, batch: Batch) -> Array:
     cfg = self.config
     tokens = batch["decoder_input_tokens"]
-    segments = batch.get("decoder_segment_ids")
-    decode_index = None
-    if self.decode:
-      decode_index, positions, mask = decode_step(self, *tokens.shape)
-    else:
-      positions = _positions(batch, "decoder_positions", tokens)
-      mask = attention_mask(jnp.ones_like(tokens) if segments is None else segments > 0,
-                            query_segment_BxQ=segments, key_segment_BxK=segments, causal=True,
-                            prefix_BxQ=batch.get("decoder_causal_attention"))
+    decode_index, positions, mask = _decoder_positions_and_mask(self, batch)
     embed = _token_embed(cfg)
     x = _add_learned_positions(cfg, embed(tokens), positions)
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=self.deterministic)
@@ -173,11 +186,8 @@ class EncoderDecoderModule(nn.Module):
   def encode(self, batch: Batch) -> Array:
     """encoder_input_tokens [B, L] -> encoded [B, L, D]."""
     tokens = batch["encoder_input_tokens"]
-    segments = batch.get("encoder_segment_ids")
     positions = _positions(batch, "encoder_positions", tokens)
-    mask = attention_mask(tokens > 0 if segments is None else segments > 0,
-                          query_segment_BxQ=segments, key_segment_BxK=segments)
-    return self.encoder(self._embed(tokens, positions), mask, positions)
+    return self.encoder(self._embed(tokens, positions), _encoder_mask(batch), positions)
 
   @nn.compact  # decode=True creates cache variables here, which needs a compact method
   def decode_logits(self, encoded: Array, batch: Batch) -> Array:
@@ -186,14 +196,7 @@ class EncoderDecoderModule(nn.Module):
     segments = batch.get("decoder_segment_ids")
     enc_tokens = batch["encoder_input_tokens"]
     enc_segments = batch.get("encoder_segment_ids")
-    decode_index = None
-    if self.decode:
-      decode_index, positions, mask = decode_step(self, *tokens.shape)
-    else:
-      positions = _positions(batch, "decoder_positions", tokens)
-      mask = attention_mask(jnp.ones_like(tokens) if segments is None else segments > 0,
-                            query_segment_BxQ=segments, key_segment_BxK=segments, causal=True,
-                            prefix_BxQ=batch.get("decoder_causal_attention"))
+    decode_index, positions, mask = _decoder_positions_and_mask(self, batch)
     cross_valid = enc_tokens > 0 if enc_segments is None else enc_segments > 0
     if segments is not None and enc_segments is not None:
       cross_mask = attention_mask(cross_valid, query_segment_BxQ=segments,
