@@ -1,0 +1,1 @@
+"""Data: vocabularies, sources, objectives, packing and the deterministic loader."""

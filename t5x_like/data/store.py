@@ -1,0 +1,98 @@
+"""TokenStore: a tokenized corpus in flat arrays, the input of every objective.
+
+Documents are lists of sentences; sentences are runs of token ids (no EOS). Keeping
+everything in three flat arrays makes any example a cheap slice, so objectives can
+regenerate example i of epoch e without replaying a stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenStore:
+  """Flat token arrays.
+
+  tokens: [N] int32, every sentence of every document back to back.
+  sentence_offsets: [S + 1] int64; sentence s is tokens[sentence_offsets[s]:sentence_offsets[s+1]].
+  doc_sentences: [D + 1] int64; document d is sentences doc_sentences[d] .. doc_sentences[d+1]-1.
+  Every document has at least one sentence and every sentence at least one token.
+  """
+
+  tokens: np.ndarray
+  sentence_offsets: np.ndarray
+  doc_sentences: np.ndarray
+
+  def __post_init__(self):
+    if self.sentence_offsets[0] != 0 or self.sentence_offsets[-1] != len(self.tokens):
+      raise ValueError("TokenStore.sentence_offsets must start at 0 and end at len(tokens)")
+    if self.doc_sentences[0] != 0 or self.doc_sentences[-1] != len(self.sentence_offsets) - 1:
+      raise ValueError("TokenStore.doc_sentences must start at 0 and end at the sentence count")
+
+  @property
+  def num_docs(self) -> int:
+    return len(self.doc_sentences) - 1
+
+  @property
+  def num_sentences(self) -> int:
+    return len(self.sentence_offsets) - 1
+
+  @property
+  def num_tokens(self) -> int:
+    return len(self.tokens)
+
+  @property
+  def doc_offsets(self) -> np.ndarray:
+    """[D + 1] token offsets of the documents."""
+    return self.sentence_offsets[self.doc_sentences]
+
+  def doc_tokens(self, d: int) -> np.ndarray:
+    offsets = self.doc_offsets
+    return self.tokens[offsets[d]:offsets[d + 1]]
+
+  def sentence(self, s: int) -> np.ndarray:
+    return self.tokens[self.sentence_offsets[s]:self.sentence_offsets[s + 1]]
+
+  @classmethod
+  def from_documents(cls, documents: list[list[np.ndarray]]) -> "TokenStore":
+    """Builds a store from documents given as lists of sentence token arrays.
+
+    Empty sentences and documents left without sentences are skipped.
+    """
+    sentences = []
+    doc_sentences = [0]
+    for doc in documents:
+      kept = [np.asarray(s, np.int32) for s in doc if len(s)]
+      if kept:
+        sentences.extend(kept)
+        doc_sentences.append(doc_sentences[-1] + len(kept))
+    lengths = np.array([len(s) for s in sentences], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    tokens = np.concatenate(sentences).astype(np.int32) if sentences else np.zeros(0, np.int32)
+    return cls(tokens, offsets, np.asarray(doc_sentences, np.int64))
+
+  # ------------------------------------------------------------------ files
+  def save(self, path: str) -> None:
+    """Writes one uncompressed .npz atomically (a rename after the write)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, tokens=self.tokens, sentence_offsets=self.sentence_offsets,
+             doc_sentences=self.doc_sentences)
+    os.replace(tmp, path)
+
+  @classmethod
+  def load(cls, path: str) -> "TokenStore":
+    with np.load(path) as f:
+      return cls(f["tokens"], f["sentence_offsets"], f["doc_sentences"])
+
+
+def select_documents(store: TokenStore, docs: np.ndarray) -> TokenStore:
+  """A store holding only the documents `docs` (in that order): held-out splits."""
+  sentences = [[store.sentence(s) for s in range(store.doc_sentences[d],
+                                                  store.doc_sentences[d + 1])]
+               for d in np.asarray(docs)]
+  return TokenStore.from_documents(sentences)
+
