@@ -1,0 +1,128 @@
+"""The deterministic, resumable, host-sharded loader (grain).
+
+Global batch `step` is a pure function of (objective, seed, step): positions
+[step * G, (step + 1) * G) of the endless sequence of epochs, each epoch a seeded
+permutation of the objective's examples. Host h of P reads rows
+[h * G/P, (h + 1) * G/P) of it and generates only those examples. The grain
+iterator's state is just the next step, so a restored iterator yields exactly
+the batches an uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Optional
+
+import grain
+from absl import flags
+import jax
+import numpy as np
+
+from t5x_like.data.objective import Example, Objective
+
+_SHUFFLE_STREAM = 0x5EED  # keeps the shuffle rng apart from the examples' rngs
+
+
+class BatchPlan:
+  """Which examples make each global batch, and which rows this host reads."""
+
+  def __init__(self, objective: Objective, global_batch_size: int, *, seed: int,
+               shuffle: bool = True, num_epochs: Optional[int] = None,
+               process_index: int = 0, process_count: int = 1):
+    if global_batch_size <= 0:
+      raise ValueError(f"global_batch_size={global_batch_size}: must be positive")
+    if global_batch_size % process_count:
+      raise ValueError(f"global_batch_size={global_batch_size} does not divide over"
+                       f" process_count={process_count} hosts")
+    if not 0 <= process_index < process_count:
+      raise ValueError(f"process_index={process_index} not in [0, {process_count})")
+    self.objective = objective
+    self.global_batch_size = global_batch_size
+    self.seed = seed
+    self.shuffle = shuffle
+    self.num_epochs = num_epochs
+    self.process_index = process_index
+    self.process_count = process_count
+    self._epoch_ends = [0]  # cumulative example counts, grown on demand
+    self._orders: dict[int, np.ndarray] = {}  # the latest epochs' permutations
+
+  @property
+  def host_batch_size(self) -> int:
+    return self.global_batch_size // self.process_count
+
+  def _epoch_size(self, epoch: int) -> int:
+    n = self.objective.num_examples(epoch)
+    if n <= 0:
+      raise ValueError(f"the objective has no examples in epoch {epoch}: the source is too"
+                       " small for the sequence length")
+    return n
+
+  def _epoch_of(self, position: int) -> int:
+    while self._epoch_ends[-1] <= position:
+      self._epoch_ends.append(self._epoch_ends[-1] + self._epoch_size(len(self._epoch_ends) - 1))
+    return bisect.bisect_right(self._epoch_ends, position) - 1
+
+  @property
+  def num_steps(self) -> Optional[int]:
+    """Whole global batches in num_epochs (the remainder is dropped); None: endless."""
+    if self.num_epochs is None:
+      return None
+    self._epoch_of(0)
+    total = sum(self._epoch_size(e) for e in range(self.num_epochs))
+    return total // self.global_batch_size
+
+  def _order(self, epoch: int) -> np.ndarray:
+    """Example indices of `epoch` in reading order (a seeded permutation)."""
+    if epoch not in self._orders:
+      n = self._epoch_size(epoch)
+      order = (np.random.default_rng([self.seed, epoch, _SHUFFLE_STREAM]).permutation(n)
+               if self.shuffle else np.arange(n))
+      self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+      self._orders[epoch] = order
+    return self._orders[epoch]
+
+  def host_examples(self, step: int) -> list[tuple[int, int]]:
+    """(epoch, example index) of each row this host reads in global batch `step`."""
+    first = step * self.global_batch_size + self.process_index * self.host_batch_size
+    rows = []
+    for position in range(first, first + self.host_batch_size):
+      epoch = self._epoch_of(position)
+      rows.append((epoch, int(self._order(epoch)[position - self._epoch_ends[epoch]])))
+    return rows
+
+  def host_batch(self, step: int) -> Example:
+    """This host's rows of global batch `step`: {feature: [G / P, ...] array}."""
+    rows = self.host_examples(step)
+    parts = []
+    for epoch in sorted({e for e, _ in rows}):
+      indices = np.array([i for e, i in rows if e == epoch])
+      parts.append(self.objective.examples(indices, epoch))
+    if len(parts) == 1:
+      return parts[0]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def make_loader(objective: Objective, global_batch_size: int, *, seed: int,
+                shuffle: bool = True, num_epochs: Optional[int] = None,
+                process_index: Optional[int] = None, process_count: Optional[int] = None,
+                num_workers: int = 0, worker_buffer_size: int = 2) -> grain.IterDataset:
+  """A grain IterDataset of this host's batches; iterate, and checkpoint with
+  `iterator.get_state()` / `iterator.set_state(state)`.
+
+  process_index / process_count default to jax's. num_workers > 0 generates batches
+  in worker processes (grain's mp_prefetch); the order stays deterministic.
+  """
+  plan = BatchPlan(objective, global_batch_size, seed=seed, shuffle=shuffle,
+                   num_epochs=num_epochs,
+                   process_index=jax.process_index() if process_index is None else process_index,
+                   process_count=jax.process_count() if process_count is None else process_count)
+  steps = plan.num_steps
+  dataset = grain.MapDataset.range(0, steps if steps is not None else 2 ** 62)
+  dataset = dataset.map(plan.host_batch).to_iter_dataset(
+      grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+  if num_workers > 0:
+    if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; take their defaults
+      flags.FLAGS.mark_as_parsed()
+    dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(
+        num_workers=num_workers, per_worker_buffer_size=worker_buffer_size))
+  return dataset
