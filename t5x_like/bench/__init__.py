@@ -1,0 +1,1 @@
+"""Benchmarks behind `t5x-like bench` (data now; model and decode steps later)."""

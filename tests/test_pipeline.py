@@ -1,0 +1,55 @@
+"""Source -> vocabulary -> objective -> loader -> model loss, on the embedded corpus."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t5x_like.data.loader import make_loader
+from t5x_like.data.pipeline import make_objective
+from t5x_like.data.sources import source_from_spec
+from t5x_like.data.tokenize import build_store
+from t5x_like.data.vocab import default_vocab
+from t5x_like.models import bert, build_model, gpt2, t5
+
+CASES = {
+    "bert_mlm": ("bert", dict(length=64, max_predictions_per_seq=10),
+                 lambda v: bert(1, 64, vocab_size=v)),
+    "span_corruption": ("t5", dict(length=64),
+                        lambda v: t5("1.1", 64, 96, 1, 2, vocab_size=v, head_dim=32)),
+    "causal_lm": ("gpt", dict(length=64), lambda v: gpt2(1, 64, vocab_size=v)),
+    "prefix_lm": ("gpt", dict(length=64), lambda v: gpt2(1, 64, vocab_size=v)),
+    "prefix_lm_encdec": ("t5", dict(length=48, targets_length=48),
+                         lambda v: t5("1.1", 64, 96, 1, 2, vocab_size=v, head_dim=32)),
+}
+
+
+@pytest.fixture(scope="module")
+def stores():
+  source = source_from_spec("embedded:wells_the_time_machine")
+  return {family: build_store(source, default_vocab(family))[0]
+          for family in ("bert", "t5", "gpt")}
+
+
+@pytest.mark.parametrize("objective", sorted(CASES))
+def test_objective_batches_feed_the_model(objective, stores):
+  family, kwargs, make_config = CASES[objective]
+  vocab = default_vocab(family)
+  obj = make_objective(objective, stores[family], vocab, seed=0, **kwargs)
+  batch = next(iter(make_loader(obj, 4, seed=0, process_index=0, process_count=1)))
+  assert all(v.shape[0] == 4 for v in batch.values())
+  model = build_model(make_config(vocab.vocab_size))
+  params = model.init(jax.random.key(0), {k: v.shape for k, v in batch.items()
+                                          if k.endswith("_tokens") and "target" not in k})
+  loss, metrics = model.loss_fn(params, jax.tree.map(jnp.asarray, batch), jax.random.key(1))
+  # An untrained model is near-uniform over the vocabulary: loss close to log(V).
+  main = metrics.get("mlm_loss", metrics.get("token_loss"))
+  assert abs(float(main) - np.log(vocab.vocab_size)) < 1.5
+  assert np.isfinite(float(loss))
+
+
+def test_objective_refuses_a_vocabulary_without_its_special_tokens(stores):
+  with pytest.raises(ValueError, match="bert_mlm.*cls_id.*'bert' vocabulary"):
+    make_objective("bert_mlm", stores["t5"], default_vocab("t5"), seed=0, length=64)
+  with pytest.raises(ValueError, match="unknown objective 'mlm'"):
+    make_objective("mlm", stores["t5"], default_vocab("t5"), seed=0, length=64)
