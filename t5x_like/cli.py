@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
   smoke.add_argument("--length", type=int, default=64)
   smoke.add_argument("--seed", type=int, default=0)
   smoke.set_defaults(fn=_cmd_smoke)
+  from t5x_like.data import vocab_cli
+  vocab_cli.add_parser(sub)
   return parser
 
 

@@ -1,0 +1,207 @@
+"""Document sources: boundaries kept, bad input counted (never a crash), spec parsing."""
+
+import json
+import logging
+import pickle
+
+import pytest
+import tensorflow_datasets as tfds
+
+from t5x_like.corpus import book_names, read_book
+from t5x_like.data.sources import (EmbeddedCorpus, JsonlFiles, TextFiles, TfdsSource,
+                                   source_from_spec)
+
+NO_PROBLEMS = dict(empty_documents=0, invalid_utf8=0, malformed_json=0, missing_field=0)
+
+
+def test_embedded_corpus_is_one_document_per_book():
+  source = EmbeddedCorpus()
+  assert len(source) == 8
+  assert source[0] == read_book(book_names()[0])
+  assert source[-1] == read_book(book_names()[-1])
+  assert "\n\n" in source[3]  # paragraphs kept
+  assert len(list(source)) == 8
+  assert source.stats.as_dict() == NO_PROBLEMS
+  with pytest.raises(IndexError):
+    source[8]
+  two = source_from_spec("embedded:wells_the_time_machine,shelley_frankenstein")
+  assert [two[0], two[1]] == [read_book("wells_the_time_machine"),
+                              read_book("shelley_frankenstein")]
+  assert two.identity() != source.identity()
+  with pytest.raises(FileNotFoundError, match="no_such_book"):
+    EmbeddedCorpus(["no_such_book"])
+
+
+def test_text_files_count_empty_and_invalid_utf8(tmp_path, caplog):
+  (tmp_path / "a.txt").write_text("First document.\n\nSecond paragraph.\n", encoding="utf-8")
+  (tmp_path / "b.txt").write_bytes(b"")
+  (tmp_path / "c.txt").write_bytes(b"  \n\t\n")
+  (tmp_path / "d.txt").write_bytes(b"caf\xc3\xa9 and a bad byte \xff here")
+  (tmp_path / "e.md").write_text("not matched")
+  source = TextFiles(str(tmp_path / "*.txt"))
+  assert len(source) == 4
+  with caplog.at_level(logging.WARNING):
+    docs = [source[i] for i in range(len(source))]
+  assert docs[0] == "First document.\n\nSecond paragraph.\n"
+  assert docs[1] == docs[2] == ""
+  assert docs[3] == "café and a bad byte \ufffd here"
+  for _ in range(2):  # each document counted once however often it is read
+    list(source)
+  assert source.stats.as_dict() == dict(NO_PROBLEMS, empty_documents=2, invalid_utf8=1)
+  assert str(tmp_path / "d.txt") in caplog.text
+  assert len(list(source)) == 2
+
+
+def test_missing_files_are_a_clear_error(tmp_path):
+  with pytest.raises(FileNotFoundError, match="nothing_here"):
+    TextFiles(str(tmp_path / "nothing_here" / "*.txt"))
+  with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+    JsonlFiles(str(tmp_path / "missing.jsonl"))
+  with pytest.raises(FileNotFoundError, match="missing.txt"):
+    source_from_spec(f"text:{tmp_path}/missing.txt")
+
+
+def test_jsonl_counts_malformed_lines_with_file_and_line(tmp_path, caplog):
+  lines = [
+      json.dumps({"text": "Doc one.", "id": 1}),             # 1 ok
+      "{not json",                                            # 2 malformed
+      "",                                                     # 3 blank: not a document
+      json.dumps({"body": "no text field"}),                  # 4 missing field
+      json.dumps({"text": 17}),                               # 5 not a string
+      json.dumps({"text": "   "}),                            # 6 empty
+      json.dumps(["a", "list"]),                              # 7 not an object
+      json.dumps({"text": "Doc two\nwith lines.", "body": "B"}),  # 8 ok
+  ]
+  path = tmp_path / "part-0.jsonl"
+  path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+  (tmp_path / "part-1.jsonl").write_bytes(b'{"text": "bad \xff byte"}\r\n\n{"text": "last"}')
+  source = JsonlFiles(str(tmp_path / "*.jsonl"))
+  assert len(source) == 7 + 2
+  with caplog.at_level(logging.WARNING):
+    docs = list(source)
+  assert docs == ["Doc one.", "Doc two\nwith lines.", "bad \ufffd byte", "last"]
+  assert source.stats.as_dict() == dict(empty_documents=1, invalid_utf8=1, malformed_json=2,
+                                        missing_field=2)
+  assert f"{path}:2" in caplog.text and f"{path}:4" in caplog.text
+  assert f"{path}:7" in caplog.text
+  # Random access, another field, and the spec form with a field.
+  assert source[7] == "bad \ufffd byte"
+  body = source_from_spec(f"jsonl:{tmp_path}/part-0.jsonl:body")
+  assert isinstance(body, JsonlFiles) and body.field == "body"
+  assert list(body) == ["no text field", "B"]
+
+
+class T5xLikeTinyText(tfds.core.GeneratorBasedBuilder):
+  """A tiny text dataset written as array_record (no TensorFlow needed)."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  DOCS = ["First doc.\n\nTwo paragraphs.", "", b"invalid \xff utf-8", "caf\u00e9"]
+
+  def _info(self):
+    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(
+        {"text": tfds.features.Text(), "title": tfds.features.Text()}))
+
+  def _split_generators(self, dl_manager):
+    return {"train": self._generate_examples(self.DOCS),
+            "validation": self._generate_examples(["held out"])}
+
+  def _generate_examples(self, docs):
+    for i, doc in enumerate(docs):
+      yield i, {"text": doc, "title": f"title {i}"}
+
+
+@pytest.fixture(scope="module")
+def tfds_dir(tmp_path_factory):
+  data_dir = str(tmp_path_factory.mktemp("tfds"))
+  tfds.disable_progress_bar()
+  T5xLikeTinyText(data_dir=data_dir, file_format="array_record").download_and_prepare()
+  return data_dir
+
+
+def test_tfds_source_reads_array_record(tfds_dir):
+  source = TfdsSource("t5x_like_tiny_text", "train", tfds_dir)
+  assert len(source) == 4
+  docs = sorted(source[i] for i in range(4))  # TFDS shuffles records when writing
+  assert docs == sorted(["First doc.\n\nTwo paragraphs.", "", "invalid \ufffd utf-8", "café"])
+  assert source.stats.as_dict() == dict(NO_PROBLEMS, empty_documents=1, invalid_utf8=1)
+  assert all(isinstance(d, str) for d in docs)
+  # Pickles without the open files (loader workers reopen them).
+  clone = pickle.loads(pickle.dumps(source))
+  assert [clone[i] for i in range(4)] == [source[i] for i in range(4)]
+  assert clone.identity() == source.identity() != TfdsSource(
+      "t5x_like_tiny_text", "validation", tfds_dir).identity()
+
+  spec = source_from_spec(f"tfds:t5x_like_tiny_text:validation@{tfds_dir}")
+  assert isinstance(spec, TfdsSource) and list(spec) == ["held out"]
+  titles = source_from_spec(f"tfds:t5x_like_tiny_text@{tfds_dir}#title")
+  assert (titles.split, titles.field) == ("train", "title")
+  assert sorted(titles) == [f"title {i}" for i in range(4)]
+
+
+def test_tfds_source_errors(tfds_dir, tmp_path):
+  with pytest.raises(FileNotFoundError, match="no_such_dataset"):
+    TfdsSource("no_such_dataset", "train", tfds_dir)
+  with pytest.raises(FileNotFoundError, match="split 'test'"):
+    TfdsSource("t5x_like_tiny_text", "test", tfds_dir)
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    TfdsSource("t5x_like_tiny_text", "train", str(tmp_path / "nowhere"))
+  with pytest.raises(ValueError, match="no feature 'body'"):
+    TfdsSource("t5x_like_tiny_text", "train", tfds_dir, field="body")
+
+
+@pytest.mark.parametrize("spec, kind, attrs", [
+    ("embedded", EmbeddedCorpus, dict(books=book_names())),
+    ("text:{d}/*.txt", TextFiles, dict(pattern="{d}/*.txt")),
+    ("jsonl:{d}/*.jsonl", JsonlFiles, dict(pattern="{d}/*.jsonl", field="text")),
+    ("jsonl:{d}/*.jsonl:content", JsonlFiles, dict(pattern="{d}/*.jsonl", field="content")),
+])
+def test_source_from_spec_forms(spec, kind, attrs, tmp_path):
+  (tmp_path / "x.txt").write_text("x")
+  (tmp_path / "x.jsonl").write_text('{"text": "x", "content": "y"}\n')
+  source = source_from_spec(spec.format(d=tmp_path))
+  assert isinstance(source, kind)
+  for name, value in attrs.items():
+    if isinstance(value, str):
+      value = value.format(d=tmp_path)
+    assert getattr(source, name) == value
+
+
+def test_tfds_spec_parsing(monkeypatch):
+  seen = []
+  monkeypatch.setattr(TfdsSource, "__init__",
+                      lambda self, *a: seen.append(a))
+  for spec in ("tfds:c4/en", "tfds:c4/en:validation[:1000]@/data/tfds",
+               "tfds:wiki_text:train@/d#content"):
+    source_from_spec(spec)
+  assert seen == [("c4/en", "train", None, "text"),
+                  ("c4/en", "validation[:1000]", "/data/tfds", "text"),
+                  ("wiki_text", "train", "/d", "content")]
+
+
+@pytest.mark.parametrize("spec", ["", "webtext", "text:", "jsonl:", "tfds:", "tfds:a b",
+                                  "files:/x/*.txt"])
+def test_bad_specs_list_the_valid_forms(spec):
+  with pytest.raises(ValueError) as info:
+    source_from_spec(spec)
+  message = str(info.value)
+  assert repr(spec) in message
+  for form in ("embedded", "text:GLOB", "jsonl:GLOB[:FIELD]", "tfds:NAME"):
+    assert form in message
+
+
+def test_sources_pickle_for_worker_processes(tmp_path):
+  (tmp_path / "a.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+  for source in (EmbeddedCorpus(["wells_the_time_machine"]),
+                 JsonlFiles(str(tmp_path / "*.jsonl"))):
+    clone = pickle.loads(pickle.dumps(source))
+    assert len(clone) == len(source) and clone[len(source) - 1] == source[len(source) - 1]
+    assert clone.identity() == source.identity()
+
+
+def test_text_identity_changes_with_content(tmp_path):
+  path = tmp_path / "a.txt"
+  path.write_text("one")
+  before = TextFiles(str(path)).identity()
+  path.write_text("one more")
+  after = TextFiles(str(path)).identity()
+  assert after != before and after == TextFiles(str(path)).identity()
