@@ -6,6 +6,9 @@ import argparse
 import json
 import sys
 
+from t5x_like.bench.data import DEFAULT_LENGTHS
+from t5x_like.data import vocab_cli
+
 
 def _cmd_models(args) -> int:
   """Prints every preset with its parameter count (from shapes, nothing allocated)."""
@@ -33,6 +36,15 @@ def _cmd_smoke(args) -> int:
   return 0 if ok else 1
 
 
+def _cmd_bench_data(args) -> int:
+  """Tokens/s per core of an objective (plus packing) and of tokenization, as JSON."""
+  from t5x_like.bench.data import bench_objective
+  print(json.dumps(bench_objective(args.objective, length=args.length,
+                                   batch_size=args.batch, steps=args.steps,
+                                   repeats=args.repeats), indent=1))
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="t5x-like", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
@@ -45,8 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
   smoke.add_argument("--length", type=int, default=64)
   smoke.add_argument("--seed", type=int, default=0)
   smoke.set_defaults(fn=_cmd_smoke)
-  from t5x_like.data import vocab_cli
   vocab_cli.add_parser(sub)
+  bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="what", required=True)
+  data = bench.add_parser("data", help=_cmd_bench_data.__doc__)
+  data.add_argument("--objective", required=True, choices=sorted(DEFAULT_LENGTHS))
+  data.add_argument("--length", type=int, default=None,
+                    help="sequence length (default: the objective's usual one)")
+  data.add_argument("--batch", type=int, default=64)
+  data.add_argument("--steps", type=int, default=30, help="batches per timed run")
+  data.add_argument("--repeats", type=int, default=5, help="timed runs (median reported)")
+  data.set_defaults(fn=_cmd_bench_data)
   return parser
 
 

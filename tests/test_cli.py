@@ -27,3 +27,12 @@ def test_embedded_corpus_ships_eight_books():
 def test_smoke_learns_on_the_corpus(capsys):
   assert cli.main(["smoke", "--steps", "12", "--batch", "8", "--length", "32"]) == 0
   assert len(capsys.readouterr().out.splitlines()) == 3
+
+
+def test_bench_data_prints_tokens_per_second(capsys):
+  assert cli.main(["bench", "data", "--objective", "causal_lm", "--length", "128",
+                   "--batch", "4", "--steps", "2", "--repeats", "1"]) == 0
+  result = json.loads(capsys.readouterr().out)
+  assert result["objective"] == "causal_lm" and result["length"] == 128
+  assert result["objective_tokens_per_second_per_core"] > 0
+  assert result["tokenization_tokens_per_second_per_core"] > 0
