@@ -29,7 +29,8 @@ def _cmd_smoke(args) -> int:
   ok = True
   for result in smoke.run(steps=args.steps, batch=args.batch, length=args.length,
                           seed=args.seed):
-    print(f"{result['model']:5s} {result['params'] / 1e6:5.2f}M params  loss"
+    print(f"{result['model']:5s} {result['objective']:16s} {result['params'] / 1e6:5.2f}M"
+          f" params  loss"
           f" {result['first_loss']:.3f} -> {result['last_loss']:.3f}"
           f"  ({args.steps} steps, {result['seconds']:.1f}s)", flush=True)
     ok &= result["last_loss"] < result["first_loss"]
