@@ -22,6 +22,7 @@ Specs (`source_from_spec`), for the CLI and configs:
 
 from __future__ import annotations
 
+import abc
 import bisect
 import collections
 import glob as globlib
@@ -65,13 +66,14 @@ class SourceStats:
     return f"SourceStats({self.name}: {self.as_dict()})"
 
 
-class DocumentSource:
+class DocumentSource(abc.ABC):
   """Base class: subclasses set `self.stats` and implement __len__, _read, identity."""
 
   stats: SourceStats
 
+  @abc.abstractmethod
   def __len__(self) -> int:
-    raise NotImplementedError
+    """Number of documents, usable or not."""
 
   def __getitem__(self, index: int) -> str:
     """Document `index` as text; "" for an unusable one (counted in `stats`)."""
@@ -93,12 +95,13 @@ class DocumentSource:
       if text:
         yield text
 
+  @abc.abstractmethod
   def identity(self) -> str:
     """A string that changes whenever the documents may have changed (cache keys)."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def _read(self, index: int) -> str | None:
-    raise NotImplementedError
+    """Raw text of document `index`; None when it was counted as malformed."""
 
   def _where(self, index: int) -> str:
     return f"#{index}"

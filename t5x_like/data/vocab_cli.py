@@ -57,24 +57,23 @@ def _source_spec(spec: str):
     raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _vocab_size(value: str) -> int:
-  try:
-    n = int(value)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"must be an integer, got {value!r}") from None
-  if n < 300:
-    raise argparse.ArgumentTypeError(f"must be at least 300 (256 byte pieces + specials), got {n}")
-  return n
+def _int_at_least(minimum: int, why: str):
+  """An argparse type: an integer >= minimum, else an error saying `why`."""
+
+  def parse(value: str) -> int:
+    try:
+      n = int(value)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"must be an integer, got {value!r}") from None
+    if n < minimum:
+      raise argparse.ArgumentTypeError(f"must be {why}, got {n}")
+    return n
+
+  return parse
 
 
-def _positive_int(value: str) -> int:
-  try:
-    n = int(value)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"must be an integer, got {value!r}") from None
-  if n < 1:
-    raise argparse.ArgumentTypeError(f"must be positive, got {n}")
-  return n
+_vocab_size = _int_at_least(300, "at least 300 (256 byte pieces + specials)")
+_positive_int = _int_at_least(1, "positive")
 
 
 def _out_dir(value: str) -> str:
