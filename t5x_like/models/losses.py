@@ -37,22 +37,15 @@ def cross_entropy(logits: Array, targets: Array, *, z_loss: float = 0.0,
   return loss + z_term, z_term
 
 
-def weighted_mean(values: Array, weights: Optional[Array], eps: float = 0.0) -> Array:
-  """sum(w * v) / (sum(w) + eps); unweighted mean when weights is None."""
-  if weights is None:
-    return jnp.mean(values)
-  weights = weights.astype(jnp.float32)
-  return jnp.sum(values * weights) / (jnp.sum(weights) + eps)
-
-
 def token_metrics(prefix: str, logits: Array, targets: Array, weights: Optional[Array],
-                  loss: Array, z_term: Array, eps: float = 0.0) -> dict[str, Array]:
-  """Weighted means <prefix>_loss, _z_loss, _accuracy, and the <prefix>_tokens count."""
+                  loss: Array, z_term: Array, denominator: Array) -> dict[str, Array]:
+  """<prefix>_loss, _z_loss, _accuracy as sum(w * value) / denominator, and the
+  <prefix>_tokens count sum(w). A shared denominator lets microbatches add up."""
   w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
   correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
   return {
-      f"{prefix}_loss": weighted_mean(loss, w, eps),
-      f"{prefix}_z_loss": weighted_mean(z_term, w, eps),
-      f"{prefix}_accuracy": weighted_mean(correct, w, eps),
+      f"{prefix}_loss": jnp.sum(loss * w) / denominator,
+      f"{prefix}_z_loss": jnp.sum(z_term * w) / denominator,
+      f"{prefix}_accuracy": jnp.sum(correct * w) / denominator,
       f"{prefix}_tokens": jnp.sum(w),
   }

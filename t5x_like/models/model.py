@@ -93,25 +93,42 @@ class EncoderModel(Model):
     out = self.apply(params, batch)
     return {k: v for k, v in out.items() if k != "hidden"}
 
-  def loss_fn(self, params, batch, dropout_rng):
-    """MLM loss at mlm_positions (SPECS.md 2: sum(w nll) / (sum(w) + 1e-5)) + NSP mean CE."""
+  def loss_normalizers(self, batch) -> dict[str, Array]:
+    """Denominators of the loss terms over `batch` (SPECS.md 2): MLM sum(w) + 1e-5, NSP B."""
+    out = {}
+    if "mlm_targets" in batch:
+      weights = batch.get("mlm_weights")
+      count = (jnp.sum(jnp.asarray(weights, jnp.float32)) if weights is not None
+               else jnp.asarray(np.prod(batch["mlm_targets"].shape), jnp.float32))
+      out["mlm"] = count + 1e-5
+    if "nsp_labels" in batch:
+      out["nsp"] = jnp.asarray(batch["nsp_labels"].shape[0], jnp.float32)
+    return out
+
+  def loss_fn(self, params, batch, dropout_rng, normalizers=None):
+    """MLM loss at mlm_positions (SPECS.md 2: sum(w nll) / (sum(w) + 1e-5)) + NSP mean CE.
+
+    normalizers: the denominators of a larger batch this one is a microbatch of
+    (`loss_normalizers`), so that microbatch losses and gradients add up exactly.
+    """
     cfg = self.config
+    normalizers = normalizers or self.loss_normalizers(batch)
     out = self.apply(params, batch, dropout_rng=dropout_rng)
     loss = jnp.zeros((), jnp.float32)
     metrics = {}
     if cfg.mlm_head and "mlm_targets" in batch:
-      weights = batch.get("mlm_weights")
       per_token, z_term = losses.cross_entropy(out["mlm_logits"], batch["mlm_targets"],
                                                z_loss=cfg.z_loss,
                                                label_smoothing=cfg.label_smoothing)
       metrics.update(losses.token_metrics("mlm", out["mlm_logits"], batch["mlm_targets"],
-                                          weights, per_token, z_term, eps=1e-5))
+                                          batch.get("mlm_weights"), per_token, z_term,
+                                          normalizers["mlm"]))
       loss = loss + metrics["mlm_loss"]
     if cfg.nsp_head and "nsp_labels" in batch:
-      nsp_loss, _ = losses.cross_entropy(out["nsp_logits"], batch["nsp_labels"])
-      nsp_correct = jnp.argmax(out["nsp_logits"], -1) == batch["nsp_labels"]
-      metrics["nsp_loss"] = jnp.mean(nsp_loss)
-      metrics["nsp_accuracy"] = jnp.mean(nsp_correct.astype(jnp.float32))
+      metrics.update(losses.token_metrics("nsp", out["nsp_logits"], batch["nsp_labels"], None,
+                                          *losses.cross_entropy(out["nsp_logits"],
+                                                                batch["nsp_labels"]),
+                                          normalizers["nsp"]))
       loss = loss + metrics["nsp_loss"]
     metrics["loss"] = loss
     return loss, metrics
@@ -120,15 +137,26 @@ class EncoderModel(Model):
 class _SequenceModel(Model):
   """Shared loss for models whose output is [B, T, V] decoder logits."""
 
-  def loss_fn(self, params, batch, dropout_rng):
-    """sum(w * nll) / sum(w) over decoder_target_tokens, w = decoder_loss_weights."""
+  def loss_normalizers(self, batch) -> dict[str, Array]:
+    """Denominator of the loss over `batch`: sum(decoder_loss_weights)."""
+    weights = batch.get("decoder_loss_weights")
+    if weights is None:
+      return {"token": jnp.asarray(np.prod(batch["decoder_target_tokens"].shape), jnp.float32)}
+    return {"token": jnp.maximum(jnp.sum(jnp.asarray(weights, jnp.float32)), 1.0)}
+
+  def loss_fn(self, params, batch, dropout_rng, normalizers=None):
+    """sum(w * nll) / sum(w) over decoder_target_tokens, w = decoder_loss_weights.
+
+    normalizers: denominators of the full batch when this is a microbatch of it.
+    """
     cfg = self.config
+    normalizers = normalizers or self.loss_normalizers(batch)
     logits = self.apply(params, batch, dropout_rng=dropout_rng)
     targets = batch["decoder_target_tokens"]
-    weights = batch.get("decoder_loss_weights")
     per_token, z_term = losses.cross_entropy(logits, targets, z_loss=cfg.z_loss,
                                              label_smoothing=cfg.label_smoothing)
-    metrics = losses.token_metrics("token", logits, targets, weights, per_token, z_term)
+    metrics = losses.token_metrics("token", logits, targets, batch.get("decoder_loss_weights"),
+                                   per_token, z_term, normalizers["token"])
     metrics["loss"] = metrics["token_loss"]
     return metrics["loss"], metrics
 
