@@ -1,0 +1,72 @@
+"""The training config schema: every key, its default and its meaning.
+
+Experiment files in configs/ start from `default_config()` and override keys;
+`t5x-like train --config configs/x.py --config.train.batch_size=64` overrides more.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+
+def default_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  # Model: a preset from t5x_like.models.PRESETS plus ModelConfig field overrides.
+  # vocab_size is taken from the vocabulary unless set here.
+  c.model = ml_collections.ConfigDict()
+  c.model.preset = "bert-tiny"
+  c.model.overrides = ml_collections.ConfigDict()
+
+  # Data (t5x_like.data): source spec, vocabulary, objective and lengths.
+  c.data = ml_collections.ConfigDict()
+  c.data.source = "embedded"
+  c.data.vocab = ""  # a .model path or directory; "" = the shipped one of the family
+  c.data.objective = "bert_mlm"
+  c.data.length = 128  # inputs / max_seq_length / decoder length
+  c.data.targets_length = 0  # prefix_lm_encdec only
+  c.data.options = ml_collections.ConfigDict()  # objective options
+  c.data.eval_source = ""  # "" = hold out the tail of every training document
+  c.data.eval_fraction = 0.02
+  c.data.num_workers = 0
+  c.data.cache_dir = ""  # "" = <workdir>/data_cache
+
+  # Train loop.
+  c.train = ml_collections.ConfigDict()
+  c.train.batch_size = 32  # global
+  c.train.microbatches = 1
+  c.train.num_steps = 1000
+  c.train.log_every = 10
+  c.train.eval_every = 200
+  c.train.eval_batches = 8
+  c.train.checkpoint_every = 200
+  c.train.keep_checkpoints = 3
+  c.train.async_checkpoints = True
+
+  # Optimizer and schedule (t5x_like.train.optimizers).
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.name = "adamw"  # adamw | adafactor
+  c.optimizer.learning_rate = 1e-4
+  c.optimizer.schedule = "linear"  # linear (warmup, linear decay) | rsqrt | cosine | constant
+  c.optimizer.warmup_steps = 100
+  c.optimizer.decay_steps = 0  # 0 = train.num_steps
+  c.optimizer.end_learning_rate_fraction = 0.0  # cosine / linear floor
+  c.optimizer.weight_decay = 0.01  # decoupled; never on norms or biases
+  c.optimizer.b1 = 0.9
+  c.optimizer.b2 = 0.999
+  c.optimizer.eps = 1e-6
+  c.optimizer.bias_correction = True  # BERT's reference AdamW has none
+  c.optimizer.clip_norm = 1.0  # global norm; 0 = off
+  c.optimizer.adafactor_decay_rate = 0.8
+
+  # Mesh: axis sizes, -1 fills the rest; dcn_* split axes across slices (multi-slice).
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+  c.mesh.dcn_data = 1
+  c.mesh.dcn_fsdp = 1
+  c.mesh.dcn_tensor = 1
+  c.mesh.rules = ()  # () = t5x_like.parallel.DEFAULT_RULES
+  return c
