@@ -102,3 +102,15 @@ def test_real_objective_hosts_and_resume(stores):
   for key in whole[2]:
     np.testing.assert_array_equal(resumed[0][key], whole[2][key])
     np.testing.assert_array_equal(resumed[1][key], whole[3][key])
+
+
+def test_held_out_split_is_disjoint_and_covers_everything(stores):
+  from t5x_like.data.store import split_held_out
+  store = stores["bert"]
+  train, held = split_held_out(store, 0.05)
+  assert train.num_tokens + held.num_tokens == store.num_tokens
+  assert held.num_docs == store.num_docs  # few documents: each contributes its tail
+  tail = store.doc_tokens(0)[-len(held.doc_tokens(0)):]
+  np.testing.assert_array_equal(held.doc_tokens(0), tail)
+  np.testing.assert_array_equal(np.concatenate([train.doc_tokens(0), held.doc_tokens(0)]),
+                                store.doc_tokens(0))

@@ -89,10 +89,26 @@ class TokenStore:
       return cls(f["tokens"], f["sentence_offsets"], f["doc_sentences"])
 
 
-def select_documents(store: TokenStore, docs: np.ndarray) -> TokenStore:
-  """A store holding only the documents `docs` (in that order): held-out splits."""
-  sentences = [[store.sentence(s) for s in range(store.doc_sentences[d],
-                                                  store.doc_sentences[d + 1])]
-               for d in np.asarray(docs)]
-  return TokenStore.from_documents(sentences)
+def split_held_out(store: TokenStore, fraction: float) -> tuple[TokenStore, TokenStore]:
+  """(train, held-out) stores; nothing is in both.
 
+  With 100 or more documents, every round(1 / fraction)-th document is held out.
+  With fewer (the embedded corpus has 8 books), the last `fraction` of the sentences
+  of every document is held out, so each book contributes passages to both.
+  """
+  if not 0.0 < fraction < 1.0:
+    raise ValueError(f"held-out fraction={fraction}: must be in (0, 1)")
+  sentences = lambda d, lo, hi: [store.sentence(s) for s in range(lo, hi)]
+  train, held = [], []
+  if store.num_docs >= 100:
+    every = max(2, round(1.0 / fraction))
+    for d in range(store.num_docs):
+      lo, hi = store.doc_sentences[d], store.doc_sentences[d + 1]
+      (held if d % every == every - 1 else train).append(sentences(d, lo, hi))
+  else:
+    for d in range(store.num_docs):
+      lo, hi = int(store.doc_sentences[d]), int(store.doc_sentences[d + 1])
+      cut = hi - max(1, int(round((hi - lo) * fraction))) if hi - lo > 1 else hi
+      train.append(sentences(d, lo, cut))
+      held.append(sentences(d, cut, hi))
+  return TokenStore.from_documents(train), TokenStore.from_documents(held)

@@ -66,3 +66,29 @@ def mesh_rules(mesh: Mesh, rules=DEFAULT_RULES) -> Iterator[tuple]:
   restricted = rules_for_mesh(rules, mesh.axis_names)
   with jax.set_mesh(mesh), nn.logical_axis_rules(restricted):
     yield restricted
+
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+def mesh_from_config(mesh_cfg, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+  """The ('data', 'fsdp', 'tensor') mesh of a config's `mesh` section.
+
+  mesh_cfg.<axis> sizes an axis within a slice (-1: the rest); mesh_cfg.dcn_<axis>
+  splits it across slices (multi-slice TPU: the slow data-center network carries
+  only those axes). Each mesh axis has size <axis> * dcn_<axis>.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  dcn = {a: int(mesh_cfg.get(f"dcn_{a}", 1)) for a in MESH_AXES}
+  num_slices = math.prod(dcn.values())
+  if len(devices) % num_slices:
+    raise ValueError(f"mesh.dcn_*: {dcn} multiply to {num_slices} slices, which does not"
+                     f" divide the {len(devices)} devices")
+  ici = resolve_axis_sizes({a: int(mesh_cfg.get(a, 1)) for a in MESH_AXES},
+                           len(devices) // num_slices)
+  if num_slices == 1:
+    return make_mesh(ici, devices)
+  from jax.experimental import mesh_utils
+  array = mesh_utils.create_hybrid_device_mesh(tuple(ici.values()), tuple(dcn.values()),
+                                               devices=devices)
+  return Mesh(array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
