@@ -49,6 +49,8 @@ def _cmd_bench_data(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="t5x-like", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
+  sub.add_parser("train", help="train a config: t5x-like train --config FILE[:ARG] --workdir"
+                 " DIR [--config.KEY=VALUE ...] (see t5x_like/train/main.py)")
   models = sub.add_parser("models", help=_cmd_models.__doc__)
   models.add_argument("names", nargs="*", help="presets to show (default: all)")
   models.set_defaults(fn=_cmd_models)
@@ -72,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv[:1] == ["train"]:  # absl / ml-collections flags: --config.key=value overrides
+    from t5x_like.train import main as train_main
+    return train_main.main(argv[1:])
   args = build_parser().parse_args(argv)
   return args.fn(args)
 

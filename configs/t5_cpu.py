@@ -1,0 +1,40 @@
+"""T5 v1.1 span corruption on the embedded corpus, small enough for a laptop CPU.
+
+  t5x-like train --config configs/t5_cpu.py --workdir /tmp/t5
+  t5x-like train --config configs/t5_cpu.py:smoke --workdir /tmp/t5s   (tests)
+"""
+
+from t5x_like.train.defaults import default_config
+
+
+def get_config(arg: str = ""):
+  c = default_config()
+  c.model.preset = "t5-v1_1-small"
+  c.model.overrides = dict(d_model=128, d_ff=256, num_layers=2, num_decoder_layers=2,
+                           num_heads=2, head_dim=64)
+  c.data.objective = "span_corruption"
+  c.data.length = 128  # inputs; targets 29 (SPECS.md 1)
+  c.train.batch_size = 32
+  c.train.num_steps = 2000
+  c.train.log_every = 50
+  c.train.eval_every = 500
+  c.train.checkpoint_every = 500
+  c.optimizer.name = "adafactor"
+  c.optimizer.learning_rate = 0.01
+  c.optimizer.schedule = "rsqrt"  # constant 0.01 for warmup_steps, then 1/sqrt (T5)
+  c.optimizer.warmup_steps = 200
+  c.optimizer.weight_decay = 0.0
+  if arg == "smoke":
+    c.model.overrides = dict(d_model=64, d_ff=128, num_layers=1, num_decoder_layers=1,
+                             num_heads=2, head_dim=32)
+    c.data.length = 64
+    c.train.batch_size = 8
+    c.train.num_steps = 20
+    c.train.log_every = 1
+    c.train.eval_every = 10
+    c.train.eval_batches = 2
+    c.train.checkpoint_every = 5
+    c.optimizer.warmup_steps = 5
+  elif arg:
+    raise ValueError(f"configs/t5_cpu.py: unknown variant {arg!r} (expected '' or 'smoke')")
+  return c

@@ -1,0 +1,183 @@
+"""Analytic FLOP counts of a training step, peak FLOP/s per device, and MFU.
+
+Conventions (those of the PaLM / MaxText MFU figures):
+- A multiply-add is 2 FLOPs; only matmuls are counted. Embedding lookups, norms,
+  activations, softmax, masks, the relative position bias, the loss and the
+  optimizer update count 0.
+- Every matmul the model runs is counted at the shapes it runs: attention scores
+  (QK^T) and weighted values (PV) over the real lengths, causal self-attention at
+  full square (it is executed full square; nothing skips the masked half),
+  cross-attention at T x L, K/V projections with the config's kv heads (GQA/MQA).
+- BERT's MLM transform and logits run only at `mlm_positions` (P of them) when the
+  batch has them, else at every position; the pooler and NSP classifier run on [CLS].
+- Training = forward + backward = 3x the forward FLOPs (the backward of a matmul is
+  two matmuls of the same size). Rematerialisation recompute is NOT counted: MFU
+  measures useful model FLOPs, so remat lowers MFU, as it should.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from t5x_like.models.config import ModelConfig
+
+# Dense bf16 peak FLOP/s of one JAX device, by substring of `device.device_kind`
+# (first match wins, so longer names come first). SPECS.md 6. On TPU v2/v3 a JAX
+# device is one TensorCore (half a chip); from v4 on (megacore) one device is a chip.
+_PEAK_BF16 = (
+    ("TPU v2", 22.5e12),  # 45e12 per chip, 2 cores
+    ("TPU v3", 61.5e12),  # 123e12 per chip, 2 cores
+    ("TPU v4 lite", 137.5e12),  # v4i, one core
+    ("TPU v4", 275e12),
+    ("TPU v5 lite", 197e12),  # v5e
+    ("TPU v5e", 197e12),
+    ("TPU v5p", 459e12),
+    ("TPU v5", 459e12),  # v5p reports 'TPU v5'
+    ("TPU v6 lite", 918e12),  # v6e (Trillium)
+    ("TPU v6e", 918e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM, dense (no sparsity)
+    ("H200", 989e12),
+    ("H800", 989e12),
+    ("A100", 312e12),
+)
+
+
+def _length(batch_shapes: Mapping[str, Any], name: str) -> tuple[int, int]:
+  """(batch, length) of feature `name`, given as a shape tuple or an array."""
+  value = batch_shapes[name]
+  shape = tuple(value) if isinstance(value, (tuple, list)) else np.shape(value)
+  return int(shape[0]), int(shape[1])
+
+
+def _attention(cfg: ModelConfig, tokens_q: int, tokens_kv: int, len_kv: int) -> dict[str, float]:
+  """One attention layer: `tokens_q` = B*Tq query tokens, each over `len_kv` keys."""
+  d, n, k, h = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
+  return {
+      "qo_proj": 2.0 * 2 * tokens_q * d * n * h,  # query and output projections
+      "kv_proj": 2.0 * 2 * tokens_kv * d * k * h,
+      "attention": 2.0 * 2 * tokens_q * len_kv * n * h,  # QK^T and PV
+  }
+
+
+def _mlp(cfg: ModelConfig, tokens: int) -> float:
+  matrices = 3 if cfg.gated_mlp else 2
+  return 2.0 * matrices * tokens * cfg.d_model * cfg.d_ff
+
+
+def _add(total: dict[str, float], part: dict[str, float], times: int = 1) -> None:
+  for key, value in part.items():
+    total[key] = total.get(key, 0.0) + times * value
+
+
+def forward_flops_breakdown(config: ModelConfig,
+                            batch_shapes: Mapping[str, Any]) -> dict[str, float]:
+  """Forward matmul FLOPs by part (qo_proj, kv_proj, attention, mlp, head, logits).
+
+  batch_shapes: feature name -> shape (or array) of the global batch; uses
+  encoder_input_tokens [B, L], decoder_input_tokens [B, T], mlm_positions [B, P].
+  """
+  cfg = config
+  d = cfg.d_model
+  out: dict[str, float] = {}
+  if cfg.family in ("encoder", "encoder_decoder"):
+    b, length = _length(batch_shapes, "encoder_input_tokens")
+    _add(out, _attention(cfg, b * length, b * length, length), cfg.num_layers)
+    _add(out, {"mlp": _mlp(cfg, b * length)}, cfg.num_layers)
+    if cfg.family == "encoder":
+      head = 0.0
+      if cfg.mlm_head:
+        p = (_length(batch_shapes, "mlm_positions")[1]
+             if batch_shapes.get("mlm_positions") is not None else length)
+        head += 2.0 * b * p * d * d  # MLM transform
+        out["logits"] = 2.0 * b * p * d * cfg.vocab_size
+      if cfg.nsp_head:
+        head += 2.0 * b * d * d + 2.0 * b * d * 2  # pooler + NSP classifier on [CLS]
+      out["head"] = head
+      return out
+    enc_len = length
+  if cfg.family in ("decoder", "encoder_decoder"):
+    b, t = _length(batch_shapes, "decoder_input_tokens")
+    layers = cfg.num_layers if cfg.family == "decoder" else cfg.decoder_layers
+    _add(out, _attention(cfg, b * t, b * t, t), layers)  # causal, full square
+    if cfg.family == "encoder_decoder":
+      _add(out, _attention(cfg, b * t, b * enc_len, enc_len), layers)  # cross-attention
+    _add(out, {"mlp": _mlp(cfg, b * t)}, layers)
+    out["logits"] = 2.0 * b * t * d * cfg.vocab_size
+  return out
+
+
+def forward_flops(config: ModelConfig, batch_shapes: Mapping[str, Any]) -> float:
+  """Matmul FLOPs of one deterministic forward over the batch (see module docstring)."""
+  return float(sum(forward_flops_breakdown(config, batch_shapes).values()))
+
+
+def train_flops_per_step(config: ModelConfig, batch_shapes: Mapping[str, Any]) -> float:
+  """FLOPs of one training step over the global batch: 3x the forward (fwd + bwd).
+
+  Microbatching does not change it (same tokens); remat recompute is not counted.
+  """
+  return 3.0 * forward_flops(config, batch_shapes)
+
+
+# ------------------------------------------------------------------- peak FLOP/s
+def _matmul_seconds(n: int, dtype, device, repeats: int) -> float:
+  """Median wall time of an n x n x n matmul with float32 accumulation on `device`."""
+  a = jax.device_put(jnp.ones((n, n), dtype), device)
+  b = jax.device_put(jnp.full((n, n), 0.5, dtype), device)
+  matmul = jax.jit(lambda x, y: jax.lax.dot(x, y, preferred_element_type=jnp.float32))
+  for _ in range(2):  # compile and warm up
+    matmul(a, b).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    matmul(a, b).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+@functools.lru_cache(maxsize=None)
+def measure_matmul_flops(platform: str = "cpu", dtype: str = "bfloat16", n: int = 2048,
+                         repeats: int = 5) -> float:
+  """Measured FLOP/s of a jitted n x n matmul (`dtype` inputs, float32 accumulation)
+  on the first device of `platform`; median of `repeats` after warm-up. Cached per
+  process."""
+  device = jax.local_devices(backend=platform)[0]
+  return 2.0 * n ** 3 / _matmul_seconds(n, jnp.dtype(dtype), device, repeats)
+
+
+def peak_flops_per_device(device: Optional[jax.Device] = None, dtype: str = "bfloat16") -> float:
+  """Peak FLOP/s of one JAX device for matmuls in `dtype` ('bfloat16' or 'float32').
+
+  Accelerators: the dense bf16 table above. float32 at JAX's default precision runs
+  on the same units (TPU: bf16 passes; so the bf16 peak) or on TF32 tensor cores
+  (NVIDIA: half the bf16 peak). CPU: measured at first use (`measure_matmul_flops`)
+  and divided by the number of local CPU devices, since fake devices
+  (--xla_force_host_platform_device_count) share the host's cores; then
+  mfu = achieved host FLOP/s / measured host matmul FLOP/s. An unknown accelerator
+  is measured too, with a warning.
+  """
+  if dtype not in ("bfloat16", "float32"):
+    raise ValueError(f"peak_flops_per_device dtype={dtype!r}: expected 'bfloat16' or 'float32'")
+  device = device or jax.local_devices()[0]
+  if device.platform == "cpu":
+    return measure_matmul_flops("cpu", dtype) / len(jax.local_devices(backend="cpu"))
+  kind = device.device_kind
+  for name, peak in _PEAK_BF16:
+    if name.lower() in kind.lower():
+      return peak / 2 if dtype == "float32" and device.platform == "gpu" else peak
+  logging.warning("peak_flops_per_device: unknown device kind %r; measuring a matmul", kind)
+  return measure_matmul_flops(device.platform, dtype, n=8192)
+
+
+def mfu(flops_per_step: float, step_seconds: float, num_devices: int,
+        peak_per_device: float) -> float:
+  """Model FLOPs utilisation: achieved FLOP/s over the peak of all devices."""
+  return flops_per_step / (step_seconds * num_devices * peak_per_device)

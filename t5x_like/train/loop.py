@@ -1,0 +1,213 @@
+"""The trainer: `train(config, workdir)` runs a whole pretraining, resumably.
+
+One readable loop in banner-marked sections (big_vision style). A run is a function
+of (config, seed): params, dropout (folded from the step) and data (a pure function
+of the step) all restart exactly from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Optional
+
+import jax
+import ml_collections
+import numpy as np
+
+from t5x_like.data.loader import make_loader
+from t5x_like.data.pipeline import OBJECTIVE_FAMILIES, make_objective
+from t5x_like.data.sources import source_from_spec
+from t5x_like.data.store import split_held_out
+from t5x_like.data.tokenize import build_store
+from t5x_like.data.vocab import default_vocab, load_vocab
+from t5x_like.models import build_model, preset
+from t5x_like.parallel import DEFAULT_RULES, mesh_from_config, shard_batch
+from t5x_like.train import flops as flops_lib
+from t5x_like.train.checkpoints import Checkpointer
+from t5x_like.train.metrics import MetricWriter, summarize_train_metrics
+from t5x_like.train.optimizers import make_optimizer
+from t5x_like.train.state import abstract_train_state, create_train_state
+from t5x_like.train.step import make_eval_step, make_train_step
+
+
+class NonFiniteLossError(RuntimeError):
+  """The loss became NaN or infinite; the message names the step."""
+
+
+class _Preemption:
+  """Turns SIGTERM into a flag the loop checks after each step."""
+
+  def __init__(self):
+    self.requested = False
+    self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.requested = True
+
+  def restore(self):
+    signal.signal(signal.SIGTERM, self._previous)
+
+
+def _objective_kwargs(config) -> dict:
+  kwargs = dict(config.data.options)
+  if config.data.targets_length:
+    kwargs["targets_length"] = config.data.targets_length
+  return kwargs
+
+
+def build_data(config, workdir: str):
+  """(vocab, train objective, eval objective, data stats) from config.data."""
+  data = config.data
+  family = OBJECTIVE_FAMILIES.get(data.objective)
+  if family is None:
+    raise ValueError(f"config.data.objective={data.objective!r}: expected one of"
+                     f" {sorted(OBJECTIVE_FAMILIES)}")
+  vocab = load_vocab(data.vocab) if data.vocab else default_vocab(family)
+  cache_dir = data.cache_dir or os.path.join(workdir, "data_cache")
+  store, stats = build_store(source_from_spec(data.source), vocab, cache_dir=cache_dir)
+  if data.eval_source:
+    train_store = store
+    eval_store, _ = build_store(source_from_spec(data.eval_source), vocab, cache_dir=cache_dir)
+  else:
+    train_store, eval_store = split_held_out(store, data.eval_fraction)
+  kwargs = _objective_kwargs(config)
+  train_objective = make_objective(data.objective, train_store, vocab, seed=config.seed,
+                                   length=data.length, **kwargs)
+  eval_objective = make_objective(data.objective, eval_store, vocab, seed=config.seed + 1,
+                                  length=data.length, **kwargs)
+  return vocab, train_objective, eval_objective, stats
+
+
+def build_model_from_config(config, vocab_size: int):
+  overrides = dict(config.model.overrides)
+  overrides.setdefault("vocab_size", vocab_size)
+  return build_model(preset(config.model.preset, **overrides))
+
+
+def _global_batch_shapes(objective, batch_size: int) -> dict[str, tuple]:
+  return {k: (batch_size, *shape) for k, shape in objective.feature_shapes().items()}
+
+
+def _is_finite(metrics: dict) -> bool:
+  return bool(np.isfinite(float(metrics["loss"])))
+
+
+# =============================================================================== train
+def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Trains config's model in workdir; resumes from its latest checkpoint.
+
+  Returns the last eval metrics. Raises NonFiniteLossError on a NaN/inf loss.
+  """
+  os.makedirs(workdir, exist_ok=True)
+  tc = config.train
+  is_main = jax.process_index() == 0
+
+  # ---------------------------------------------------------------- data, model, mesh
+  vocab, objective, eval_objective, data_stats = build_data(config, workdir)
+  model = build_model_from_config(config, vocab.vocab_size)
+  mesh = mesh_from_config(config.mesh)
+  rules = tuple(config.mesh.rules) or DEFAULT_RULES
+  batch_shapes = _global_batch_shapes(objective, tc.batch_size)
+  optimizer, schedule = make_optimizer(config.optimizer, tc.num_steps)
+
+  writer = MetricWriter(workdir, total_steps=tc.num_steps, is_main_process=is_main)
+  writer.log(f"model {config.model.preset}: {model.num_params():,} params; mesh"
+             f" {dict(mesh.shape)}; {jax.process_count()} process(es); data"
+             f" {json.dumps({k: v for k, v in data_stats.items() if k != 'source'})};"
+             f" bad input {json.dumps(data_stats.get('source', {}))}")
+
+  # ----------------------------------------------------------- state, resume
+  rng = jax.random.key(config.seed)
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=tc.keep_checkpoints,
+                              async_save=tc.async_checkpoints)
+  loader = make_loader(objective, tc.batch_size, seed=config.seed,
+                       num_workers=config.data.num_workers)
+  batches = iter(loader)
+  abstract = abstract_train_state(model, optimizer, mesh, rules, batch_shapes)
+  restored = checkpointer.restore_latest(abstract)
+  if restored is None:
+    state, state_shardings = create_train_state(model, optimizer, mesh, rules, batch_shapes,
+                                                jax.random.fold_in(rng, 1))
+    start_step = 0
+  else:
+    start_step, state, extra = restored
+    state_shardings = jax.tree.map(lambda x: x.sharding, abstract)
+    batches.set_state(extra["data"])
+    writer.log(f"resumed from step {start_step}")
+
+  # ------------------------------------------------------------------ steps
+  train_step = make_train_step(model, optimizer, schedule, microbatches=tc.microbatches,
+                               mesh=mesh, rules=rules, state_shardings=state_shardings,
+                               batch_shapes=batch_shapes)
+  eval_step = make_eval_step(model, mesh=mesh, rules=rules, state_shardings=state_shardings,
+                             batch_shapes=batch_shapes)
+  flops_per_step = flops_lib.train_flops_per_step(model.config, batch_shapes)
+  peak = flops_lib.peak_flops_per_device(jax.devices()[0], dtype=model.config.dtype)
+  tokens_per_step = tc.batch_size * config.data.length
+
+  def evaluate(step: int) -> dict:
+    eval_batches = iter(make_loader(eval_objective, tc.batch_size, seed=config.seed + 1))
+    sums: dict[str, float] = {}
+    for _ in range(tc.eval_batches):
+      metrics = jax.device_get(eval_step(state.params, shard_batch(next(eval_batches), mesh,
+                                                                   rules)))
+      for k, v in metrics.items():
+        sums[k] = sums.get(k, 0.0) + float(v)
+    result = {f"eval_{k}": v / tc.eval_batches for k, v in sums.items()}
+    if "eval_token_loss" in result:
+      result["eval_perplexity"] = float(np.exp(result["eval_token_loss"]))
+    writer.write_scalars(step, result)
+    return result
+
+  def save(step: int, force: bool = False):
+    checkpointer.save(step, state, {"data": batches.get_state()}, force=force)
+
+  # ------------------------------------------------------------------- loop
+  preemption = _Preemption()
+  eval_metrics: dict = {}
+  step = start_step
+  interval_start, interval_steps = time.perf_counter(), 0
+  try:
+    while step < tc.num_steps:
+      batch = shard_batch(next(batches), mesh, rules)
+      state, metrics = train_step(state, batch, rng)
+      step += 1
+      interval_steps += 1
+      at_checkpoint = tc.checkpoint_every and step % tc.checkpoint_every == 0
+      if step % tc.log_every == 0 or at_checkpoint or step == tc.num_steps:
+        metrics = jax.device_get(metrics)
+        if not _is_finite(metrics):
+          raise NonFiniteLossError(
+              f"non-finite loss {float(metrics['loss'])} at step {step}; stopping. The last"
+              f" good checkpoint is step {checkpointer.latest_step()}")
+        seconds = (time.perf_counter() - interval_start) / interval_steps
+        scalars = summarize_train_metrics(
+            metrics, step_seconds=seconds, tokens_per_step=tokens_per_step,
+            flops_per_step=flops_per_step, num_devices=jax.device_count(),
+            peak_per_device=peak)
+        writer.write_scalars(step, scalars)
+        writer.progress(step, scalars["loss"])
+        interval_start, interval_steps = time.perf_counter(), 0
+      if at_checkpoint:
+        save(step)
+      if tc.eval_every and step % tc.eval_every == 0:
+        eval_metrics = evaluate(step)
+      if preemption.requested:
+        writer.log(f"SIGTERM: saving a checkpoint at step {step} and exiting")
+        save(step, force=True)
+        break
+    else:
+      if checkpointer.latest_step() != step:
+        save(step, force=True)
+      if not eval_metrics or not tc.eval_every or step % tc.eval_every:
+        eval_metrics = evaluate(step)
+  finally:
+    preemption.restore()
+    checkpointer.wait()
+    checkpointer.close()
+    writer.close()
+  return eval_metrics
