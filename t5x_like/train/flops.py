@@ -156,9 +156,9 @@ def measure_matmul_flops(platform: str = "cpu", dtype: str = "bfloat16", n: int 
 def peak_flops_per_device(device: Optional[jax.Device] = None, dtype: str = "bfloat16") -> float:
   """Peak FLOP/s of one JAX device for matmuls in `dtype` ('bfloat16' or 'float32').
 
-  Accelerators: the dense bf16 table above. float32 at JAX's default precision runs
-  on the same units (TPU: bf16 passes; so the bf16 peak) or on TF32 tensor cores
-  (NVIDIA: half the bf16 peak). CPU: measured at first use (`measure_matmul_flops`)
+  Accelerators: the dense bf16 table above. For float32 the convention is the unit
+  that JAX's default matmul precision uses: the MXU on TPU (the bf16 peak) and TF32
+  tensor cores on NVIDIA (half the bf16 peak). CPU: measured at first use (`measure_matmul_flops`)
   and divided by the number of local CPU devices, since fake devices
   (--xla_force_host_platform_device_count) share the host's cores; then
   mfu = achieved host FLOP/s / measured host matmul FLOP/s. An unknown accelerator

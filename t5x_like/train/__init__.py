@@ -1,0 +1,1 @@
+"""Training: train state, optimizers and schedules, steps, loop, checkpoints, metrics."""

@@ -1,0 +1,223 @@
+"""Metric writers: a JSONL file and TensorBoard event files in the workdir, and a
+console progress bar with the loss and ETA.
+
+Files: <workdir>/metrics.jsonl (one JSON object per write: {"step": s, name: value,
+...}) and <workdir>/tensorboard/ (tensorboardX event files). Only the main process
+writes files or prints; other processes get a writer that does nothing.
+
+Resume: a run restarted from the checkpoint of step s rewrites the rows of the steps
+after s. `read_jsonl` therefore returns one row per step, the rows of a step merged
+in file order so that the latest value of every key wins (an eval row written at a
+train row's step joins it). `truncate_after(s)` also removes the stale rows from the
+file and hides the stale TensorBoard events (a purge marker, as tensorboardX's
+`purge_step`); calling it on resume is tidy but not needed for `read_jsonl`.
+Metric values must be fetchable on this host (replicated or addressable arrays).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Mapping, Optional
+
+import numpy as np
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto.event_pb2 import Event, SessionLog
+from tensorboardX.proto.summary_pb2 import Summary
+from tqdm import tqdm
+
+from t5x_like.train.flops import mfu
+
+JSONL_NAME = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+
+def _to_float(name: str, value: Any) -> float:
+  """A Python float from a float / numpy / jax scalar (or size-1 array)."""
+  array = np.asarray(value)
+  if array.size != 1:
+    raise ValueError(f"metric {name!r}: expected a scalar, got shape {array.shape}")
+  return float(array.reshape(()))
+
+
+def read_jsonl(path: str) -> list[dict[str, float]]:
+  """Rows of a metrics.jsonl, one per step, sorted by step.
+
+  Rows of the same step are merged in file order (later values win), so rows that a
+  resumed run rewrote replace the interrupted run's, and an eval row written at the
+  same step as a train row joins it. A torn last line (a kill mid-write) is skipped.
+  """
+  by_step: dict[int, dict[str, float]] = {}
+  with open(path) as f:
+    for line in f:
+      line = line.strip()
+      if not line:
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:
+        continue
+      by_step.setdefault(int(row["step"]), {}).update(row)
+  return [by_step[s] for s in sorted(by_step)]
+
+
+class MetricWriter:
+  """Writes scalars to metrics.jsonl and TensorBoard, and drives a tqdm progress bar.
+
+  total_steps: the bar's total (for the ETA). is_main_process: False makes every
+  method a no-op (multi-host: only process 0 writes). console: False turns the bar
+  off (log() still prints).
+  """
+
+  _files_opened = 0  # per process, for unique event file names
+
+  def __init__(self, workdir: str, *, total_steps: int, is_main_process: bool = True,
+               console: bool = True):
+    self.workdir = workdir
+    self.total_steps = int(total_steps)
+    self.is_main_process = is_main_process
+    self.console = console and is_main_process
+    self.jsonl_path = os.path.join(workdir, JSONL_NAME)
+    self.tensorboard_dir = os.path.join(workdir, TENSORBOARD_DIR)
+    self._tb = None
+    self._purge_step: Optional[int] = None
+    self._bar = None
+    self._line_checked = False
+    if is_main_process:
+      os.makedirs(workdir, exist_ok=True)
+
+  # ------------------------------------------------------------------- files
+  def _tensorboard(self):
+    """The event file writer, opened on first use (after a truncate_after, a new file
+    that starts with the purge marker)."""
+    if self._tb is None:
+      # tensorboardX's synchronous writer (SummaryWriter queues events to a thread, so
+      # its flush() does not guarantee they are on disk). A unique suffix: event file
+      # names only carry the second, and a second writer in that second would clobber.
+      os.makedirs(self.tensorboard_dir, exist_ok=True)
+      MetricWriter._files_opened += 1
+      self._tb = EventsWriter(os.path.join(self.tensorboard_dir, "events"),
+                              f".{os.getpid()}.{MetricWriter._files_opened}")
+      if self._purge_step is not None:  # as SummaryWriter(purge_step=...) marks it
+        self._tb.write_event(Event(step=self._purge_step, wall_time=time.time(),
+                                   session_log=SessionLog(status=SessionLog.START)))
+        self._purge_step = None
+    return self._tb
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+    """Appends {"step": step, **scalars} to metrics.jsonl and adds each to TensorBoard.
+
+    Values may be Python, numpy or (fetched) jax scalars. Both files are flushed on
+    every call, so a killed run loses nothing it logged.
+    """
+    if not self.is_main_process:
+      return
+    step = int(step)
+    values = {name: _to_float(name, value) for name, value in scalars.items()}
+    line = json.dumps({"step": step, **values}) + "\n"
+    if not self._line_checked:  # a killed run may have left a torn last line
+      self._line_checked = True
+      if os.path.exists(self.jsonl_path) and os.path.getsize(self.jsonl_path):
+        with open(self.jsonl_path, "rb") as f:
+          f.seek(-1, os.SEEK_END)
+          if f.read(1) != b"\n":
+            line = "\n" + line
+    with open(self.jsonl_path, "a") as f:
+      f.write(line)
+      f.flush()
+    summary = Summary(value=[Summary.Value(tag=name, simple_value=value)
+                             for name, value in values.items()])
+    tb = self._tensorboard()
+    tb.write_event(Event(step=step, wall_time=time.time(), summary=summary))
+    tb.flush()
+
+  def truncate_after(self, step: int) -> None:
+    """Drops rows of steps > `step` from metrics.jsonl (atomically) and hides
+    TensorBoard events of steps > `step` (purge_step = step + 1 on the next write)."""
+    if not self.is_main_process:
+      return
+    step = int(step)
+    if os.path.exists(self.jsonl_path):
+      kept = []
+      with open(self.jsonl_path) as f:
+        for line in f:
+          try:
+            if int(json.loads(line)["step"]) <= step:
+              kept.append(line if line.endswith("\n") else line + "\n")
+          except (json.JSONDecodeError, KeyError, ValueError):
+            continue  # a torn line from a killed run
+      tmp = self.jsonl_path + ".tmp"
+      with open(tmp, "w") as f:
+        f.writelines(kept)
+      os.replace(tmp, self.jsonl_path)
+    if self._tb is not None:  # a new event file carries the purge marker
+      self._tb.close()
+      self._tb = None
+    self._purge_step = step + 1
+
+  # ----------------------------------------------------------------- console
+  def progress(self, step: int, loss: Optional[float] = None) -> None:
+    """Moves the bar to `step` (steps done) and shows the loss; tqdm gives the ETA.
+
+    The bar starts at the first step it is given, so a resumed run's rate and ETA
+    count only the steps it ran.
+    """
+    if not self.console:
+      return
+    step = int(step)
+    if self._bar is None:
+      self._bar = tqdm(total=self.total_steps, initial=step, desc="train", unit="step",
+                       dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+    if loss is not None:
+      self._bar.set_postfix(loss=f"{_to_float('loss', loss):.4f}", refresh=False)
+    self._bar.update(step - self._bar.n)
+
+  def log(self, msg: str) -> None:
+    """Prints a line above the progress bar (main process only)."""
+    if not self.is_main_process:
+      return
+    if self._bar is not None:
+      self._bar.write(msg)
+    else:
+      print(msg, flush=True)
+
+  def close(self) -> None:
+    """Closes the bar and the event file; safe to call twice."""
+    if self._bar is not None:
+      self._bar.close()
+      self._bar = None
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+
+  def __enter__(self) -> "MetricWriter":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def summarize_train_metrics(device_metrics: Mapping[str, Any], *, step_seconds: float,
+                            tokens_per_step: float, flops_per_step: float, num_devices: int,
+                            peak_per_device: float) -> dict[str, float]:
+  """Device scalars -> floats, plus throughput and perplexity.
+
+  Adds perplexity = exp(token_loss - token_z_loss) (decoder / encoder-decoder) or
+  exp(mlm_loss - mlm_z_loss) (BERT) when those are present (the z-loss term is not
+  part of the likelihood; with label smoothing it is the smoothed loss's exp),
+  tokens_per_second, tflops_per_second_per_device, mfu and step_seconds.
+  """
+  out = {name: _to_float(name, value) for name, value in device_metrics.items()}
+  for prefix in ("token", "mlm"):
+    if f"{prefix}_loss" in out:
+      nll = out[f"{prefix}_loss"] - out.get(f"{prefix}_z_loss", 0.0)
+      out["perplexity"] = math.inf if nll > 709.0 else math.exp(nll)  # exp overflows past 709
+      break
+  out["step_seconds"] = float(step_seconds)
+  out["tokens_per_second"] = tokens_per_step / step_seconds
+  out["tflops_per_second_per_device"] = flops_per_step / step_seconds / num_devices / 1e12
+  out["mfu"] = mfu(flops_per_step, step_seconds, num_devices, peak_per_device)
+  return out
