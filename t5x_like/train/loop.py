@@ -27,7 +27,7 @@ from t5x_like.models import build_model, preset
 from t5x_like.parallel import DEFAULT_RULES, mesh_from_config, shard_batch
 from t5x_like.train import flops as flops_lib
 from t5x_like.train.checkpoints import Checkpointer
-from t5x_like.train.metrics import MetricWriter, summarize_train_metrics
+from t5x_like.train.metrics import MetricWriter, perplexity, summarize_train_metrics
 from t5x_like.train.optimizers import make_optimizer
 from t5x_like.train.state import abstract_train_state, create_train_state
 from t5x_like.train.step import make_eval_step, make_train_step
@@ -137,6 +137,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     start_step, state, extra = restored
     state_shardings = jax.tree.map(lambda x: x.sharding, abstract)
     batches.set_state(extra["data"])
+    writer.truncate_after(start_step)  # rows of steps after it are about to be redone
     writer.log(f"resumed from step {start_step}")
 
   # ------------------------------------------------------------------ steps
@@ -157,9 +158,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                                                    rules)))
       for k, v in metrics.items():
         sums[k] = sums.get(k, 0.0) + float(v)
-    result = {f"eval_{k}": v / tc.eval_batches for k, v in sums.items()}
-    if "eval_token_loss" in result:
-      result["eval_perplexity"] = float(np.exp(result["eval_token_loss"]))
+    means = {k: v / tc.eval_batches for k, v in sums.items()}
+    ppl = perplexity(means)
+    if ppl is not None:
+      means["perplexity"] = ppl
+    result = {f"eval_{k}": v for k, v in means.items()}
     writer.write_scalars(step, result)
     return result
 

@@ -200,6 +200,15 @@ class MetricWriter:
     self.close()
 
 
+def perplexity(metrics: Mapping[str, float]) -> Optional[float]:
+  """exp(token_loss - token_z_loss), else exp(mlm_loss - mlm_z_loss); None without either."""
+  for prefix in ("token", "mlm"):
+    if f"{prefix}_loss" in metrics:
+      nll = metrics[f"{prefix}_loss"] - metrics.get(f"{prefix}_z_loss", 0.0)
+      return math.inf if nll > 709.0 else math.exp(nll)  # exp overflows past 709
+  return None
+
+
 def summarize_train_metrics(device_metrics: Mapping[str, Any], *, step_seconds: float,
                             tokens_per_step: float, flops_per_step: float, num_devices: int,
                             peak_per_device: float) -> dict[str, float]:
@@ -211,11 +220,9 @@ def summarize_train_metrics(device_metrics: Mapping[str, Any], *, step_seconds: 
   tokens_per_second, tflops_per_second_per_device, mfu and step_seconds.
   """
   out = {name: _to_float(name, value) for name, value in device_metrics.items()}
-  for prefix in ("token", "mlm"):
-    if f"{prefix}_loss" in out:
-      nll = out[f"{prefix}_loss"] - out.get(f"{prefix}_z_loss", 0.0)
-      out["perplexity"] = math.inf if nll > 709.0 else math.exp(nll)  # exp overflows past 709
-      break
+  ppl = perplexity(out)
+  if ppl is not None:
+    out["perplexity"] = ppl
   out["step_seconds"] = float(step_seconds)
   out["tokens_per_second"] = tokens_per_step / step_seconds
   out["tflops_per_second_per_device"] = flops_per_step / step_seconds / num_devices / 1e12
