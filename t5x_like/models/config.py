@@ -186,7 +186,14 @@ PRESETS = {
 
 
 def preset(name: str, **overrides) -> ModelConfig:
-  """A published size by name (see PRESETS), with field overrides."""
+  """A published size by name (see PRESETS) with fields replaced by `overrides`.
+
+  Overrides replace fields as given: shrinking d_model does not re-derive num_heads or
+  d_ff, so set those too.
+  """
   if name not in PRESETS:
     raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
-  return PRESETS[name](**overrides)
+  unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)})
+  if unknown:
+    raise ValueError(f"model overrides {unknown} are not ModelConfig fields")
+  return PRESETS[name]().replace(**overrides)
