@@ -1,0 +1,224 @@
+"""The trainer end to end: exact resume after SIGKILL, SIGTERM, corrupt checkpoints,
+multi-host on CPU, learning, and a non-finite loss."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from t5x_like.train import loop
+from t5x_like.train.metrics import read_jsonl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+
+
+def _load_config(name: str, arg: str = ""):
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(name, os.path.join(CONFIGS, f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def _train_command(config: str, workdir: str, *extra: str) -> list[str]:
+  return [sys.executable, "-m", "t5x_like.cli", "train", f"--config={CONFIGS}/{config}",
+          f"--workdir={workdir}", *extra]
+
+
+def _env(devices: int = 8) -> dict:
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+def _losses(workdir: str) -> dict[int, float]:
+  rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _run(cmd, timeout=600, **kw) -> subprocess.CompletedProcess:
+  return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout,
+                        cwd=ROOT, **kw)
+
+
+def _committed_checkpoints(workdir: str) -> list[int]:
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    return []
+  return [int(d) for d in os.listdir(directory)
+          if d.isdigit() and os.path.exists(os.path.join(directory, d, "commit_success.txt"))]
+
+
+def _wait_for_step(workdir: str, proc: subprocess.Popen, step: int, timeout=300,
+                   checkpoint: bool = False) -> None:
+  """Until metrics.jsonl has `step` (and, with checkpoint, a committed checkpoint)."""
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if proc.poll() is not None:
+      raise AssertionError(f"run ended before step {step}: {proc.stderr.read()[-3000:]}")
+    path = os.path.join(workdir, "metrics.jsonl")
+    if (os.path.exists(path) and max(_losses(workdir), default=0) >= step
+        and (not checkpoint or _committed_checkpoints(workdir))):
+      return
+    time.sleep(0.05)
+  raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+# ---------------------------------------------------------------- exact resume
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["bert_cpu.py:smoke", "t5_cpu.py:smoke"])
+def test_sigkill_and_resume_reproduce_every_loss_bit_for_bit(config, tmp_path):
+  full = str(tmp_path / "full")
+  done = _run(_train_command(config, full))
+  assert done.returncode == 0, done.stderr[-3000:]
+  expected = _losses(full)
+  assert sorted(expected) == list(range(1, 21))
+
+  killed = str(tmp_path / "killed")
+  kill_at = int(np.random.default_rng(abs(hash(config)) % 2**32).integers(7, 15))
+  proc = subprocess.Popen(_train_command(config, killed), env=_env(), cwd=ROOT,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  _wait_for_step(killed, proc, kill_at, checkpoint=True)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  resumed = _run(_train_command(config, killed))
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "resumed from step" in resumed.stdout + resumed.stderr
+  got = _losses(killed)
+  assert sorted(got) == sorted(expected)
+  assert got == expected  # float32 on CPU: identical, not merely close
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path):
+  workdir = str(tmp_path / "run")
+  proc = subprocess.Popen(_train_command("gpt_cpu.py:smoke", workdir,
+                                         "--config.train.num_steps=100000",
+                                         "--config.train.checkpoint_every=0"),
+                          env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  _wait_for_step(workdir, proc, 3)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=120)
+  assert proc.returncode == 0, out[-3000:]
+  match = [line for line in out.splitlines() if "SIGTERM: saving a checkpoint at step" in line]
+  assert match, out[-3000:]
+  step = int(match[0].split("at step ")[1].split()[0])
+  assert os.path.isdir(os.path.join(workdir, "checkpoints", str(step)))
+
+
+# ------------------------------------------------------------ corrupt checkpoint
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
+  config = _load_config("gpt_cpu", "smoke")
+  config.train.num_steps = 10
+  config.optimizer.decay_steps = 20  # the schedule must not change with num_steps below
+  workdir = str(tmp_path / "run")
+  loop.train(config, workdir)
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  assert sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit())[-2:] == [5, 10]
+  # Damage every data file of step 10 (a partial write / bit rot).
+  for root, _, files in os.walk(os.path.join(ckpt_dir, "10")):
+    for name in files:
+      if not name.endswith((".json", "_METADATA", "commit_success.txt")):
+        with open(os.path.join(root, name), "wb") as f:
+          f.write(b"\0")
+  expected = _losses(workdir)
+  config.train.num_steps = 12
+  with caplog.at_level("WARNING"):
+    loop.train(config, workdir)
+  assert "10" in caplog.text and "falling back" in caplog.text.lower()
+  got = _losses(workdir)
+  # Steps 6..10 were recomputed from checkpoint 5 and match the first run.
+  for step in range(6, 11):
+    assert got[step] == expected[step]
+  assert max(got) == 12
+
+
+# -------------------------------------------------------------------- non-finite
+def test_non_finite_loss_stops_naming_the_step_and_keeps_good_checkpoints(tmp_path,
+                                                                          monkeypatch):
+  config = _load_config("gpt_cpu", "smoke")
+  config.train.checkpoint_every = 2
+  real_make = loop.make_train_step
+
+  def poisoned_make(*args, **kwargs):
+    step_fn = real_make(*args, **kwargs)
+
+    def step(state, batch, rng):
+      new_state, metrics = step_fn(state, batch, rng)
+      if int(new_state.step) >= 7:  # from step 7 on, the loss is NaN
+        metrics = dict(metrics, loss=metrics["loss"] * np.nan)
+      return new_state, metrics
+
+    return step
+
+  monkeypatch.setattr(loop, "make_train_step", poisoned_make)
+  workdir = str(tmp_path / "run")
+  with pytest.raises(loop.NonFiniteLossError, match="at step 7"):
+    loop.train(config, workdir)
+  steps = sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
+  assert steps and steps[-1] == 6  # no checkpoint written at or after the bad step
+
+
+# ---------------------------------------------------------------------- learning
+def _unigram_entropy(objective) -> float:
+  counts = np.bincount(np.asarray(objective.store.tokens))
+  p = counts[counts > 0] / counts.sum()
+  return float(-(p * np.log(p)).sum())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, metric", [("bert_cpu", "mlm_loss"), ("gpt_cpu", "token_loss"),
+                                          ("t5_cpu", "token_loss")])
+def test_tiny_configs_learn_below_the_unigram_baseline(name, metric, tmp_path):
+  config = _load_config(name, "smoke")
+  config.train.num_steps = 150
+  config.train.eval_every = 150
+  config.train.checkpoint_every = 0
+  config.train.log_every = 25
+  config.train.batch_size = 16
+  config.optimizer.learning_rate = 3e-3 if name != "t5_cpu" else 0.02
+  config.optimizer.warmup_steps = 20
+  _, objective, _, _ = loop.build_data(config, str(tmp_path))
+  baseline = _unigram_entropy(objective)
+  result = loop.train(config, str(tmp_path))
+  assert result[f"eval_{metric}"] < baseline - 0.5, (result, baseline)
+
+
+# -------------------------------------------------------------------- multi-host
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_of_four_devices_match_one_of_eight(tmp_path):
+  single = str(tmp_path / "single")
+  done = _run(_train_command("bert_cpu.py:smoke", single, "--config.train.num_steps=6"))
+  assert done.returncode == 0, done.stderr[-3000:]
+
+  multi = str(tmp_path / "multi")
+  port = _free_port()
+  procs = [subprocess.Popen(
+      _train_command("bert_cpu.py:smoke", multi, "--config.train.num_steps=6",
+                     f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                     f"--process_id={i}"),
+      env=_env(devices=4), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      text=True) for i in range(2)]
+  outputs = [p.communicate(timeout=600)[0] for p in procs]
+  for p, out in zip(procs, outputs):
+    assert p.returncode == 0, out[-3000:]
+  expected, got = _losses(single), _losses(multi)
+  assert sorted(got) == sorted(expected) == list(range(1, 7))
+  np.testing.assert_allclose([got[s] for s in range(1, 7)],
+                             [expected[s] for s in range(1, 7)], rtol=1e-5)
