@@ -17,7 +17,10 @@ def default_config() -> ml_collections.ConfigDict:
   # vocab_size is taken from the vocabulary unless set here.
   c.model = ml_collections.ConfigDict()
   c.model.preset = "bert-tiny"
-  c.model.overrides = ml_collections.ConfigDict()
+  c.model.overrides = ml_collections.ConfigDict()  # any ModelConfig field
+  c.model.dtype = "float32"  # compute dtype (params stay float32): float32 | bfloat16
+  c.model.scan_layers = False
+  c.model.remat_policy = "none"  # none | full | dots | dots_no_batch
 
   # Data (t5x_like.data): source spec, vocabulary, objective and lengths.
   c.data = ml_collections.ConfigDict()

@@ -83,8 +83,9 @@ def build_data(config, workdir: str):
 
 
 def build_model_from_config(config, vocab_size: int):
-  overrides = dict(config.model.overrides)
-  overrides.setdefault("vocab_size", vocab_size)
+  overrides = dict(dtype=config.model.dtype, scan_layers=config.model.scan_layers,
+                   remat_policy=config.model.remat_policy, vocab_size=vocab_size)
+  overrides.update(config.model.overrides)
   return build_model(preset(config.model.preset, **overrides))
 
 
