@@ -4,7 +4,7 @@
   t5x-like train --config configs/bert_cpu.py:smoke --workdir /tmp/b  (seconds; tests)
 """
 
-from t5x_like.train.defaults import default_config
+from t5x_like.train.defaults import default_config, smoke_schedule
 
 
 def get_config(arg: str = ""):
@@ -16,6 +16,7 @@ def get_config(arg: str = ""):
   c.data.objective = "bert_mlm"
   c.data.length = 64  # short sequences keep the CPU run near 6 steps/s
   c.data.options = dict(max_predictions_per_seq=10)
+  smoke_schedule(c)
   c.train.batch_size = 32
   c.train.num_steps = 2000
   c.train.log_every = 50
@@ -39,10 +40,4 @@ def _shrink(c):
                            dropout_rate=0.0, attention_dropout_rate=0.0)
   c.model.dtype = "float32"  # bit-exact resume tests run in float32
   c.data.options = dict(max_predictions_per_seq=10)
-  c.train.batch_size = 8
-  c.train.num_steps = 20
-  c.train.log_every = 1
-  c.train.eval_every = 10
-  c.train.eval_batches = 2
-  c.train.checkpoint_every = 5
-  c.optimizer.warmup_steps = 5
+  smoke_schedule(c)

@@ -4,7 +4,7 @@
   t5x-like train --config configs/gpt_cpu.py:smoke --workdir /tmp/gpts   (tests)
 """
 
-from t5x_like.train.defaults import default_config
+from t5x_like.train.defaults import default_config, smoke_schedule
 
 
 def get_config(arg: str = ""):
@@ -28,14 +28,7 @@ def get_config(arg: str = ""):
     c.model.overrides = dict(d_model=64, num_heads=2, d_ff=128, num_layers=1,
                              max_position_embeddings=64, dropout_rate=0.0,
                              attention_dropout_rate=0.0)
-    c.data.length = 64
-    c.train.batch_size = 8
-    c.train.num_steps = 20
-    c.train.log_every = 1
-    c.train.eval_every = 10
-    c.train.eval_batches = 2
-    c.train.checkpoint_every = 5
-    c.optimizer.warmup_steps = 5
+    smoke_schedule(c)
   elif arg:
     raise ValueError(f"configs/gpt_cpu.py: unknown variant {arg!r} (expected '' or 'smoke')")
   return c

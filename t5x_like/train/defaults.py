@@ -73,3 +73,17 @@ def default_config() -> ml_collections.ConfigDict:
   c.mesh.dcn_tensor = 1
   c.mesh.rules = ()  # () = t5x_like.parallel.DEFAULT_RULES
   return c
+
+
+def smoke_schedule(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Shrinks the run of any config to 20 tiny steps (length 64, batch 8), logging and
+  checkpointing often: the `:smoke` variant of the CPU configs, for tests."""
+  c.data.length = 64
+  c.train.batch_size = 8
+  c.train.num_steps = 20
+  c.train.log_every = 1
+  c.train.eval_every = 10
+  c.train.eval_batches = 2
+  c.train.checkpoint_every = 5
+  c.optimizer.warmup_steps = 5
+  return c
