@@ -76,9 +76,13 @@ class TokenStore:
 
   # ------------------------------------------------------------------ files
   def save(self, path: str) -> None:
-    """Writes one uncompressed .npz atomically (a rename after the write)."""
+    """Writes one uncompressed .npz atomically (a rename after the write).
+
+    The temporary name is per process: the hosts of a multi-host run on one shared
+    filesystem may all build and save the same store at once.
+    """
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp.npz"
+    tmp = f"{path}.tmp{os.getpid()}.npz"
     np.savez(tmp, tokens=self.tokens, sentence_offsets=self.sentence_offsets,
              doc_sentences=self.doc_sentences)
     os.replace(tmp, path)

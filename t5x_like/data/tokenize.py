@@ -108,7 +108,7 @@ def build_store(source, vocab, *, cache_dir: str | None = None, num_threads: int
                source=source.stats.as_dict() if hasattr(source, "stats") else {})
   if cache_path is not None:
     store.save(cache_path + ".npz")
-    tmp = cache_path + ".json.tmp"
+    tmp = f"{cache_path}.json.tmp{os.getpid()}"  # several processes may build at once
     with open(tmp, "w") as f:
       json.dump(stats, f, indent=1)
     os.replace(tmp, cache_path + ".json")
