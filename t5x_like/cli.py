@@ -23,20 +23,6 @@ def _cmd_models(args) -> int:
   return 0
 
 
-def _cmd_smoke(args) -> int:
-  """A few optimizer steps of each family on the embedded corpus; fails if none learns."""
-  from t5x_like import smoke
-  ok = True
-  for result in smoke.run(steps=args.steps, batch=args.batch, length=args.length,
-                          seed=args.seed):
-    print(f"{result['model']:5s} {result['objective']:16s} {result['params'] / 1e6:5.2f}M"
-          f" params  loss"
-          f" {result['first_loss']:.3f} -> {result['last_loss']:.3f}"
-          f"  ({args.steps} steps, {result['seconds']:.1f}s)", flush=True)
-    ok &= result["last_loss"] < result["first_loss"]
-  return 0 if ok else 1
-
-
 def _cmd_bench_data(args) -> int:
   """Tokens/s per core of an objective (plus packing) and of tokenization, as JSON."""
   from t5x_like.bench.data import bench_objective
@@ -54,12 +40,6 @@ def build_parser() -> argparse.ArgumentParser:
   models = sub.add_parser("models", help=_cmd_models.__doc__)
   models.add_argument("names", nargs="*", help="presets to show (default: all)")
   models.set_defaults(fn=_cmd_models)
-  smoke = sub.add_parser("smoke", help=_cmd_smoke.__doc__)
-  smoke.add_argument("--steps", type=int, default=40)
-  smoke.add_argument("--batch", type=int, default=16)
-  smoke.add_argument("--length", type=int, default=64)
-  smoke.add_argument("--seed", type=int, default=0)
-  smoke.set_defaults(fn=_cmd_smoke)
   vocab_cli.add_parser(sub)
   bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="what", required=True)
   data = bench.add_parser("data", help=_cmd_bench_data.__doc__)

@@ -1,4 +1,4 @@
-"""The `t5x-like` command: presets listing and the smoke run on the embedded corpus."""
+"""The `t5x-like` command: presets listing, the embedded corpus and the data benchmark."""
 
 import json
 
@@ -21,12 +21,6 @@ def test_embedded_corpus_ships_eight_books():
   assert corpus.read_book("melville_moby_dick").count("\n\n") > 1000  # paragraphs kept
   with pytest.raises(FileNotFoundError, match="no book 'nope'"):
     corpus.read_book("nope")
-
-
-@pytest.mark.slow
-def test_smoke_learns_on_the_corpus(capsys):
-  assert cli.main(["smoke", "--steps", "12", "--batch", "8", "--length", "32"]) == 0
-  assert len(capsys.readouterr().out.splitlines()) == 3
 
 
 def test_bench_data_prints_tokens_per_second(capsys):
