@@ -3,12 +3,14 @@ PyTorch, losses against optax, the decode cache, scanned / rematerialised stacks
 
 import flax.linen as nn
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 from t5x_like import models
+from t5x_like.models.layers import dot
 from t5x_like.models.attention import (MultiHeadAttention, _attention_with_dropout,
                                        attention_mask)
 from t5x_like.models.losses import cross_entropy
@@ -433,3 +435,42 @@ def test_attention_dropout_is_applied():
   no_dropout = models.build_model(cfg.replace(attention_dropout_rate=0.0))
   np.testing.assert_array_equal(_logits(model, params, batch),
                                 _logits(no_dropout, params, batch))
+
+
+# ------------------------------------------------------------- bf16 matmul gradients
+@pytest.mark.parametrize("x_shape, k_shape, contract", [
+    ((3, 5, 16), (16, 24), 1),        # dense
+    ((3, 5, 16), (16, 2, 8), 1),      # into heads
+    ((3, 5, 2, 8), (2, 8, 16), 2)])   # out of heads
+def test_bf16_dot_gradients_are_bf16_products_with_f32_accumulation(x_shape, k_shape,
+                                                                     contract):
+  rng = np.random.RandomState(0)
+  x = jnp.asarray(rng.randn(*x_shape), jnp.float32)
+  kernel = jnp.asarray(rng.randn(*k_shape), jnp.float32)
+  weights = jnp.asarray(rng.randn(*x_shape[:-contract], *k_shape[contract:]), jnp.float32)
+
+  def loss(x, kernel, dtype):
+    return jnp.sum(dot(x, kernel, contract, dtype).astype(jnp.float32) * weights)
+
+  # Reference: float32 math on the bf16-rounded operands.
+  rounded = [a.astype(jnp.bfloat16).astype(jnp.float32) for a in (x, kernel)]
+  want = jax.grad(loss, (0, 1))(*rounded, jnp.float32)
+  got = jax.grad(loss, (0, 1))(x, kernel, jnp.bfloat16)
+  for g, w, primal in zip(got, want, (x, kernel)):
+    assert g.dtype == primal.dtype == jnp.float32
+    np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2 * float(jnp.abs(w).max()))
+
+  # Every matmul of forward and backward multiplies bf16 by bf16 into float32.
+  jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1)), static_argnums=2)(x, kernel, jnp.bfloat16)
+  dots = [eq for eq in _all_eqns(jaxpr.jaxpr) if eq.primitive.name == "dot_general"]
+  assert len(dots) == 3
+  for eq in dots:
+    assert [v.aval.dtype for v in eq.invars] == [jnp.bfloat16] * 2, eq
+    assert eq.outvars[0].aval.dtype == jnp.float32, eq
+
+
+def _all_eqns(jaxpr):
+  for eq in jaxpr.eqns:
+    yield eq
+    for sub in jax.extend.core.jaxprs_in_params(eq.params):
+      yield from _all_eqns(sub)

@@ -6,6 +6,7 @@ config's dtype with float32 accumulation in every matmul.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -41,14 +42,60 @@ def normal_init(std: float) -> Callable:
 def dot(x: Array, kernel: Array, contract: int, dtype) -> Array:
   """Contracts the last `contract` dims of x with the first of kernel.
 
-  Both operands are cast to `dtype`; accumulation is float32 (bf16 x bf16 -> f32
-  on matrix units); the result is cast back to `dtype`.
+  x [*batch, *C] . kernel [*C, *out] -> [*batch, *out] in `dtype`. Both operands are
+  cast to `dtype` and every product accumulates in float32 (bf16 x bf16 -> f32 on
+  matrix units), in the backward pass too: see _low_precision_dot.
   """
-  x_dims = tuple(range(x.ndim - contract, x.ndim))
-  k_dims = tuple(range(contract))
-  y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), ((x_dims, k_dims), ((), ())),
-                          preferred_element_type=jnp.float32)
-  return y.astype(dtype)
+  if jnp.dtype(dtype) == jnp.float32:
+    x_dims = tuple(range(x.ndim - contract, x.ndim))
+    return jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype),
+                               ((x_dims, tuple(range(contract))), ((), ())),
+                               preferred_element_type=jnp.float32)
+  return _low_precision_dot(x, kernel, contract, jnp.dtype(dtype), x.dtype, kernel.dtype)
+
+
+def _dot_f32(a: Array, b: Array, a_dims, b_dims) -> Array:
+  return jax.lax.dot_general(a, b, ((tuple(a_dims), tuple(b_dims)), ((), ())),
+                             preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _low_precision_dot(x: Array, kernel: Array, contract: int, dtype, x_dtype,
+                        k_dtype) -> Array:
+  """dot() in a 16-bit dtype whose gradients are 16-bit x 16-bit -> float32 products too.
+
+  Plain autodiff would transpose the float32-accumulating product into float32 x bf16
+  matmuls (XLA upcasts both operands), several times slower than the forward on bf16
+  matrix units; here dx and dkernel are bf16 x bf16 -> f32, cast to x's and kernel's
+  own dtypes (kernel grads stay float32 for float32 params).
+  """
+  y, _ = _low_precision_dot_fwd(x, kernel, contract, dtype, x_dtype, k_dtype)
+  return y
+
+
+def _low_precision_dot_fwd(x, kernel, contract, dtype, x_dtype, k_dtype):
+  x_lp, k_lp = x.astype(dtype), kernel.astype(dtype)
+  y = _dot_f32(x_lp, k_lp, range(x.ndim - contract, x.ndim), range(contract))
+  return y.astype(dtype), (x_lp, k_lp)
+
+
+def _low_precision_dot_bwd(contract, dtype, x_dtype, k_dtype, residuals, g):
+  x_lp, k_lp = residuals
+  g = g.astype(dtype)
+  batch = x_lp.ndim - contract          # leading dims of x (and of g)
+  out = k_lp.ndim - contract            # trailing dims of kernel (and of g)
+  # dx[*batch, *C] = g[*batch, *out] . kernel[*C, *out] over out
+  dx = _dot_f32(g, k_lp, range(batch, batch + out), range(contract, contract + out))
+  # dkernel[*C, *out] = x[*batch, *C] . g[*batch, *out] over batch
+  dk = _dot_f32(x_lp, g, range(batch), range(batch))
+  # The barrier keeps XLA from folding a caller's transpose of dk (Embed.attend passes
+  # embedding.T) into this dot: that fold yields a bf16 x bf16 -> f32 dot the CPU
+  # backend cannot run ("Unsupported element type for DotThunk").
+  dk = jax.lax.optimization_barrier(dk)
+  return dx.astype(x_dtype), dk.astype(k_dtype)
+
+
+_low_precision_dot.defvjp(_low_precision_dot_fwd, _low_precision_dot_bwd)
 
 
 class DenseGeneral(nn.Module):

@@ -46,6 +46,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.train.checkpoint_every = 200
   c.train.keep_checkpoints = 3
   c.train.async_checkpoints = True
+  # Phases (BERT's 128 -> 512 recipe): () = one phase with data.length / data.options;
+  # else dicts {"until_step": N, "length": L, "options": {...}} in order, the last ending
+  # at num_steps. Each phase overrides data.length and updates data.options until its
+  # step; the next resumes from that checkpoint with the new shapes and a fresh iterator.
+  c.train.phases = ()
 
   # Optimizer and schedule (t5x_like.train.optimizers).
   c.optimizer = ml_collections.ConfigDict()
@@ -87,3 +92,31 @@ def smoke_schedule(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.train.checkpoint_every = 5
   c.optimizer.warmup_steps = 5
   return c
+
+
+def parse_arg(arg: str, **defaults) -> ml_collections.ConfigDict:
+  """big_vision-style config arguments: "base,local" or "size=base,local=True".
+
+  Each comma-separated item is `key=value` or a bare word. A bare word that is a
+  boolean key of `defaults` sets it True; otherwise it sets the first key of
+  `defaults` (the main variant). Values take the type of their default.
+  """
+  out = ml_collections.ConfigDict(dict(defaults))
+  keys = list(defaults)
+  for item in filter(None, (x.strip() for x in (arg or "").split(","))):
+    key, sep, value = item.partition("=")
+    if not sep:
+      if isinstance(defaults.get(key), bool):
+        key, value = key, "True"
+      else:
+        key, value = keys[0], item
+    if key not in defaults:
+      raise ValueError(f"config argument {item!r}: unknown key {key!r}; known: {keys}")
+    default = defaults[key]
+    if isinstance(default, bool):
+      if value not in ("True", "False", "true", "false", "1", "0"):
+        raise ValueError(f"config argument {key}={value!r}: expected True or False")
+      out[key] = value in ("True", "true", "1")
+    else:
+      out[key] = type(default)(value)
+  return out

