@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
   sub = parser.add_subparsers(dest="command", required=True)
   sub.add_parser("train", help="train a config: t5x-like train --config FILE[:ARG] --workdir"
                  " DIR [--config.KEY=VALUE ...] (see t5x_like/train/main.py)")
+  sub.add_parser("plan", help="params, shardings, FLOPs, memory and time of a config on a"
+                 " topology, without running it: t5x-like plan --config FILE[:ARG]"
+                 " [--config.KEY=VALUE ...] [--topology v3-32 ...] [--json]"
+                 " (see t5x_like/plan/cli.py)")
   models = sub.add_parser("models", help=_cmd_models.__doc__)
   models.add_argument("names", nargs="*", help="presets to show (default: all)")
   models.set_defaults(fn=_cmd_models)
@@ -58,6 +62,9 @@ def main(argv=None) -> int:
   if argv[:1] == ["train"]:  # absl / ml-collections flags: --config.key=value overrides
     from t5x_like.train import main as train_main
     return train_main.main(argv[1:])
+  if argv[:1] == ["plan"]:
+    from t5x_like.plan import cli as plan_cli
+    return plan_cli.main(argv[1:])
   args = build_parser().parse_args(argv)
   return args.fn(args)
 

@@ -40,10 +40,16 @@ def _decoder_positions_and_mask(module: nn.Module, batch: Batch):
 
   Padding is not masked by token id (GPT-2's id 0 is a real token): right padding
   cannot reach real positions through a causal mask, and packed rows use segment ids.
+  With `decode` (the KV cache), decoder_segment_ids only mark padding (0) that later
+  tokens must not see, and decoder_positions, when given, are the new tokens' positions
+  (left-padded prompts in t5x_like.infer); packing is not supported there.
   """
   tokens = batch["decoder_input_tokens"]
   if module.decode:
-    return decode_step(module, *tokens.shape)
+    segments = batch.get("decoder_segment_ids")
+    return decode_step(module, *tokens.shape,
+                       key_valid_BxT=None if segments is None else segments > 0,
+                       positions_BxT=batch.get("decoder_positions"))
   segments = batch.get("decoder_segment_ids")
   mask = attention_mask(jnp.ones_like(tokens) if segments is None else segments > 0,
                         query_segment_BxQ=segments, key_segment_BxK=segments, causal=True,

@@ -3,6 +3,8 @@
   init(rng, batch_shapes) -> params
   loss_fn(params, batch, dropout_rng) -> (loss, metrics)
   logits(params, batch) -> logits
+  predict(params, batch, **decode_kwargs) -> tokens, score(params, batch) -> log-likelihoods
+      (the generating families; both delegate to t5x_like.infer)
 
 The trainer never touches the module; `param_axes` gives the logical axis names of
 every parameter for sharding.
@@ -161,8 +163,32 @@ class _SequenceModel(Model):
     return metrics["loss"], metrics
 
 
+  # ------------------------------------------------------------- inference
+  default_eos_id: Optional[int] = None
+
+  def predict(self, params, batch, **decode_kwargs) -> Array:
+    """Generated tokens [B, max_new_tokens], pad after eos (t5x_like.infer.generate).
+
+    decode_kwargs: max_new_tokens (required), num_beams, rng (sampling), temperature,
+    top_k, top_p, length_penalty, early_stopping, eos_id, pad_id, mesh, rules.
+    """
+    from t5x_like import infer  # infer builds on the models: import at use
+    decode_kwargs.setdefault("eos_id", self.default_eos_id)
+    return infer.generate(self, params, batch, **decode_kwargs).tokens
+
+  def score(self, params, batch, **kwargs) -> dict[str, Array]:
+    """{'token_log_likelihood': [B, T], 'log_likelihood': [B]} of decoder_target_tokens
+    (t5x_like.infer.score; kwargs: mesh, rules)."""
+    from t5x_like import infer
+    return infer.score(self, params, batch, **kwargs)
+
+
 class DecoderModel(_SequenceModel):
-  """GPT-2. logits() -> [B, T, V] next-token logits of decoder_input_tokens."""
+  """GPT-2. logits() -> [B, T, V] next-token logits of decoder_input_tokens.
+
+  predict() continues right-padded prompts (decoder_input_tokens, with
+  decoder_segment_ids marking the real tokens); eos_id defaults to None (no stop).
+  """
 
   module_class = DecoderModule
 
@@ -174,6 +200,7 @@ class EncoderDecoderModel(_SequenceModel):
   """T5. logits() -> [B, T, V] decoder logits given encoder and decoder inputs."""
 
   module_class = EncoderDecoderModule
+  default_eos_id = 1  # T5's </s>; decoding starts from the pad id 0
 
   def example_batch_shapes(self, batch: int = 2, length: int = 8) -> dict[str, tuple]:
     return {"encoder_input_tokens": (batch, length), "decoder_input_tokens": (batch, length)}

@@ -101,13 +101,19 @@ class Stack(nn.Module):
     return x
 
 
-def decode_step(module: nn.Module, batch: int, length: int):
+def decode_step(module: nn.Module, batch: int, length: int, *,
+                key_valid_BxT: Optional[Array] = None, positions_BxT: Optional[Array] = None):
   """Cache bookkeeping for incremental decoding, kept by the family module.
 
   The cache holds `index` (next slot) and `key_valid` [B, S] (filled slots); S is
   the length seen at init. Returns (index, positions [B, T], mask [B, 1, T, S]) for
   the `length` new tokens and advances the index. At init it returns a plain
   causal mask over the init length.
+
+  key_valid_BxT: which of the new tokens are real (default all); padding written into
+  the cache is never attended to by later tokens (left-padded prompts). A query always
+  sees its own slot, so that padding rows stay finite. positions_BxT: the positions of
+  the new tokens (default: their slots).
   """
   initialising = not module.has_variable("cache", "index")
   index_var = module.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
@@ -119,10 +125,17 @@ def decode_step(module: nn.Module, batch: int, length: int):
   index = index_var.value
   cache_len = valid_var.value.shape[1]
   slots = jnp.arange(cache_len)
-  new = (slots >= index) & (slots < index + length)
-  valid_var.value = valid_var.value | new[None, :]
+  if key_valid_BxT is None:
+    new_BxS = ((slots >= index) & (slots < index + length))[None, :]
+  else:
+    new_BxS = jax.lax.dynamic_update_slice(jnp.zeros((batch, cache_len), jnp.bool_),
+                                           key_valid_BxT.astype(jnp.bool_), (0, index))
+  valid_var.value = valid_var.value | new_BxS
   index_var.value = index + length
   q_pos = index + jnp.arange(length)
   causal = slots[None, :] <= q_pos[:, None]  # [T, S]
-  mask = valid_var.value[:, None, None, :] & causal[None, None]
-  return index, positions + index, mask
+  own_slot = slots[None, :] == q_pos[:, None]
+  mask = (valid_var.value[:, None, None, :] & causal[None, None]) | own_slot[None, None]
+  if positions_BxT is None:
+    positions_BxT = positions + index
+  return index, positions_BxT, mask

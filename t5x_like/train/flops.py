@@ -153,6 +153,14 @@ def measure_matmul_flops(platform: str = "cpu", dtype: str = "bfloat16", n: int 
   return 2.0 * n ** 3 / _matmul_seconds(n, jnp.dtype(dtype), device, repeats)
 
 
+def table_peak_flops(device_kind: str) -> Optional[float]:
+  """Dense bf16 peak FLOP/s of one device of `device_kind` from the table, or None."""
+  for name, peak in _PEAK_BF16:
+    if name.lower() in device_kind.lower():
+      return peak
+  return None
+
+
 def peak_flops_per_device(device: Optional[jax.Device] = None, dtype: str = "bfloat16") -> float:
   """Peak FLOP/s of one JAX device for matmuls in `dtype` ('bfloat16' or 'float32').
 
@@ -169,11 +177,11 @@ def peak_flops_per_device(device: Optional[jax.Device] = None, dtype: str = "bfl
   device = device or jax.local_devices()[0]
   if device.platform == "cpu":
     return measure_matmul_flops("cpu", dtype) / len(jax.local_devices(backend="cpu"))
-  kind = device.device_kind
-  for name, peak in _PEAK_BF16:
-    if name.lower() in kind.lower():
-      return peak / 2 if dtype == "float32" and device.platform == "gpu" else peak
-  logging.warning("peak_flops_per_device: unknown device kind %r; measuring a matmul", kind)
+  peak = table_peak_flops(device.device_kind)
+  if peak is not None:
+    return peak / 2 if dtype == "float32" and device.platform == "gpu" else peak
+  logging.warning("peak_flops_per_device: unknown device kind %r; measuring a matmul",
+                  device.device_kind)
   return measure_matmul_flops(device.platform, dtype, n=8192)
 
 

@@ -16,10 +16,12 @@ from absl import flags
 from ml_collections import config_flags
 
 
-def _flags() -> flags.FlagValues:
+def _flags(argv: list[str]) -> flags.FlagValues:
+  """argv: the full command line; ml-collections reads --config.key=value overrides from
+  it (not from sys.argv, so that in-process calls work)."""
   fv = flags.FlagValues()
   config_flags.DEFINE_config_file("config", None, "experiment config file[:arg]",
-                                  flag_values=fv, lock_config=True)
+                                  flag_values=fv, lock_config=True, sys_argv=argv)
   flags.DEFINE_string("workdir", None, "checkpoints, metrics and data cache", flag_values=fv)
   flags.DEFINE_string("coordinator_address", None, "host:port of process 0", flag_values=fv)
   flags.DEFINE_integer("num_processes", 1, "processes in a multi-host run", flag_values=fv)
@@ -84,9 +86,10 @@ def initialize_distributed(fv: flags.FlagValues) -> None:
 
 
 def main(argv: list[str]) -> int:
-  fv = _flags()
+  argv = ["t5x-like train", *argv]
+  fv = _flags(argv)
   try:
-    fv(["t5x-like train", *argv])
+    fv(argv)
   except flags.Error as e:
     print(f"t5x-like train: {e}", file=sys.stderr)
     return 2

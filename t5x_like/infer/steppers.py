@@ -1,0 +1,135 @@
+"""The models as incremental decoders on the KV cache (`module(decode=True)`).
+
+Each builder runs the prompt once and returns a Stepper: the next-token logits after
+the prompt [B, V], the decoding state (the cache, and for the decoder-only family the
+next position of each row), `step_fn(state, token) -> (logits, state)` for
+B * rows_per_example rows (beam search folds beams into the batch), and the batch axis
+of every state leaf (how beams are expanded and reordered).
+
+Decoder-only prompts come right-padded ([B, P] with per-row lengths, the layout of the
+training data) and are left-aligned here, so that every row generates into the same
+cache slot: padding is kept out of attention (decoder_segment_ids = 0) and positions
+count from each row's first real token, as Hugging Face's generate does for
+left-padded prompts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+class Stepper(NamedTuple):
+  first_logits_BxV: Array
+  state: Any
+  step_fn: Callable[[Any, Array], tuple[Array, Any]]
+  batch_axes: Any  # per state leaf: its batch axis, or None
+
+
+def _batch_axes(make_cache: Callable[[int], Any]) -> Any:
+  """Per cache leaf the axis that grows with the batch (None for the scalar index)."""
+  one, two = jax.eval_shape(lambda: make_cache(1)), jax.eval_shape(lambda: make_cache(2))
+
+  def axis(a, b):
+    differing = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+    return differing[0] if differing else None
+  return jax.tree.map(axis, one, two)
+
+
+def _zero_cache(init_fn: Callable[[], Any]) -> Any:
+  """The cache `init_fn` would create (all zeros), without running the init forward."""
+  shapes = jax.eval_shape(init_fn)
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def left_align(prompt_BxP: Array, lengths_B: Array, pad_id: int = 0):
+  """Right-padded prompts -> (left-padded tokens, valid mask, positions), all [B, P].
+
+  Row b's real tokens move to the last lengths_B[b] slots; positions count 0, 1, ...
+  from the first real token (0 on padding).
+  """
+  prompt_len = prompt_BxP.shape[1]
+  source_BxP = jnp.arange(prompt_len)[None, :] - (prompt_len - lengths_B)[:, None]
+  valid_BxP = source_BxP >= 0
+  positions_BxP = jnp.maximum(source_BxP, 0)
+  tokens_BxP = jnp.where(valid_BxP, jnp.take_along_axis(prompt_BxP, positions_BxP, axis=1),
+                         pad_id)
+  return tokens_BxP, valid_BxP, positions_BxP
+
+
+def decoder_only(model, params, prompt_BxP: Array, lengths_B: Array, *, max_new_tokens: int,
+                 rows_per_example: int = 1, pad_id: int = 0) -> Stepper:
+  """GPT-2 family: prefill the left-aligned prompt, then one token per step.
+
+  The cache holds P + max_new_tokens - 1 slots (the last token is never fed back).
+  """
+  del rows_per_example  # every per-row input lives in the state
+  batch, prompt_len = prompt_BxP.shape
+  cache_len = prompt_len + max_new_tokens - 1
+  module = model.module(decode=True)
+
+  def make_cache(rows):
+    tokens = {"decoder_input_tokens": jnp.zeros((rows, cache_len), jnp.int32)}
+    return _zero_cache(lambda: module.init(jax.random.key(0), tokens)["cache"])
+
+  def run(cache, batch_features):
+    logits, mutated = module.apply({"params": params, "cache": cache}, batch_features,
+                                   mutable=["cache"])
+    return logits, mutated["cache"]
+
+  tokens_BxP, valid_BxP, positions_BxP = left_align(prompt_BxP, lengths_B, pad_id)
+  logits_BxPxV, cache = run(make_cache(batch), {
+      "decoder_input_tokens": tokens_BxP, "decoder_segment_ids": valid_BxP.astype(jnp.int32),
+      "decoder_positions": positions_BxP})
+
+  def step_fn(state, token_B):
+    cache, position_B = state
+    logits_Bx1xV, cache = run(cache, {"decoder_input_tokens": token_B[:, None],
+                                      "decoder_positions": position_B[:, None]})
+    return logits_Bx1xV[:, 0], (cache, position_B + 1)
+
+  state = (cache, lengths_B.astype(jnp.int32))
+  return Stepper(logits_BxPxV[:, -1], state, step_fn, (_batch_axes(make_cache), 0))
+
+
+def encoder_decoder(model, params, encoder_tokens_BxL: Array, *, max_new_tokens: int,
+                    rows_per_example: int = 1, decoder_start_id: int = 0) -> Stepper:
+  """T5 family: encode once, then decode from decoder_start_id (T5: the pad id 0).
+
+  The encoder output is shared by the rows_per_example rows of each example and is
+  not part of the state (it never needs reordering).
+  """
+  batch = encoder_tokens_BxL.shape[0]
+  module = model.module(decode=True)
+  encoded_BxLxD = model.module().apply({"params": params},
+                                       {"encoder_input_tokens": encoder_tokens_BxL},
+                                       method="encode")
+
+  def make_cache(rows):
+    encoded = jnp.zeros((rows,) + encoded_BxLxD.shape[1:], encoded_BxLxD.dtype)
+    features = {"encoder_input_tokens": jnp.zeros((rows, encoder_tokens_BxL.shape[1]),
+                                                  jnp.int32),
+                "decoder_input_tokens": jnp.zeros((rows, max_new_tokens), jnp.int32)}
+    return _zero_cache(lambda: module.init(jax.random.key(0), encoded, features,
+                                           method="decode_logits")["cache"])
+
+  def run(cache, encoded, encoder_tokens, token_B):
+    logits, mutated = module.apply(
+        {"params": params, "cache": cache}, encoded,
+        {"encoder_input_tokens": encoder_tokens, "decoder_input_tokens": token_B[:, None]},
+        method="decode_logits", mutable=["cache"])
+    return logits[:, 0], mutated["cache"]
+
+  start_B = jnp.full((batch,), decoder_start_id, jnp.int32)
+  first_logits_BxV, cache = run(make_cache(batch), encoded_BxLxD, encoder_tokens_BxL, start_B)
+  encoded_rows = jnp.repeat(encoded_BxLxD, rows_per_example, axis=0)
+  encoder_tokens_rows = jnp.repeat(encoder_tokens_BxL, rows_per_example, axis=0)
+
+  def step_fn(cache, token_B):
+    return run(cache, encoded_rows, encoder_tokens_rows, token_B)
+
+  return Stepper(first_logits_BxV, cache, step_fn, _batch_axes(make_cache))

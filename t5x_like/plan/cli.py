@@ -1,0 +1,72 @@
+"""`t5x-like plan --config FILE[:ARG] [--config.KEY=VALUE ...] [--topology NAME ...]`.
+
+Prints the plan of a config on each topology (default: the devices present) as text,
+or with --json one JSON object per line. absl / ml-collections flags, as `train`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+
+from t5x_like.plan.report import COMPILE_CHOICES
+
+
+def _flags(argv: list[str]) -> flags.FlagValues:
+  """The flags; `argv` is where --config.KEY=VALUE overrides are read from (ml-collections
+  reads sys.argv otherwise, which an in-process call does not set)."""
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "experiment config file[:arg]",
+                                  flag_values=fv, lock_config=True, sys_argv=argv)
+  flags.DEFINE_multi_string("topology", [], "v3-32, v3-128, v4-64, v5p-128, cpu-8, ...;"
+                            " repeatable; default: the devices present", flag_values=fv)
+  flags.DEFINE_float("mfu", 0.4, "assumed model FLOPs utilisation for the step time",
+                     flag_values=fv)
+  flags.DEFINE_bool("json", False, "one JSON object per topology instead of text",
+                    flag_values=fv)
+  flags.DEFINE_enum("compile", "auto", list(COMPILE_CHOICES),
+                    "compile the real train step for XLA's analyses: auto = when the"
+                    " topology's devices are all present", flag_values=fv)
+  return fv
+
+
+def _config_source(argv: list[str]) -> str:
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config="):
+      return arg.split("=", 1)[1]
+    if arg == "--config" and i + 1 < len(argv):
+      return argv[i + 1]
+  return "config"
+
+
+def main(argv: list[str]) -> int:
+  argv = ["t5x-like plan", *argv]
+  fv = _flags(argv)
+  try:
+    fv(argv)
+  except flags.Error as e:
+    print(f"t5x-like plan: {e}", file=sys.stderr)
+    return 2
+  if fv.config is None:
+    print("t5x-like plan: --config is required", file=sys.stderr)
+    return 2
+  from t5x_like.plan.report import make_plan
+  from t5x_like.plan.text import format_plan
+  from t5x_like.plan.topology import parse_topology, present_topology
+  dtype = fv.config.model.dtype
+  try:
+    topologies = ([parse_topology(name, dtype) for name in fv.topology] if fv.topology
+                  else [present_topology(dtype)])
+    for topology in topologies:
+      plan = make_plan(fv.config, topology, mfu=fv.mfu, compile_step=fv.compile)
+      if fv.json:
+        print(json.dumps(plan), flush=True)
+      else:
+        print(format_plan(plan, _config_source(argv[1:])) + "\n", flush=True)
+  except ValueError as e:
+    print(f"t5x-like plan: {e}", file=sys.stderr)
+    return 2
+  return 0

@@ -1,0 +1,182 @@
+"""A whole plan of a config on a topology, as one JSON-able dict.
+
+  report = make_plan(config, topology, mfu=0.4, compile_step="auto")
+
+Per config: the model, its parameters by group with their shardings, and the mesh.
+Per phase (config.train.phases, else one): batch shapes, FLOPs per step
+(train/flops.py), step time and wall-clock at the assumed MFU, the per-device memory
+estimate (memory.py) and whether it fits; where the topology's devices are present,
+XLA's memory and cost analyses of the compiled train step beside them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import jax
+import ml_collections
+
+from t5x_like import parallel
+from t5x_like.plan import compiled as compiled_lib
+from t5x_like.plan.memory import estimate_memory, per_device_batch_shapes
+from t5x_like.plan.params import param_table, spec_str
+from t5x_like.plan.shapes import Phase, config_vocab, model_vocab_size, plan_phases
+from t5x_like.plan.topology import Topology, planned_mesh
+from t5x_like.train import flops as flops_lib
+from t5x_like.train.loop import build_model_from_config
+from t5x_like.train.optimizers import make_optimizer
+
+COMPILE_CHOICES = ("auto", "yes", "no")
+
+
+def _model_json(config, model) -> dict:
+  cfg = model.config
+  return {"preset": config.model.preset, "family": cfg.family, "layers": cfg.num_layers,
+          "decoder_layers": cfg.decoder_layers if cfg.family == "encoder_decoder" else 0,
+          "d_model": cfg.d_model, "heads": cfg.num_heads, "kv_heads": cfg.kv_heads,
+          "d_ff": cfg.d_ff, "vocab_size": cfg.vocab_size, "dtype": cfg.dtype,
+          "remat_policy": cfg.remat_policy, "scan_layers": cfg.scan_layers}
+
+
+def _topology_json(topology: Topology) -> dict:
+  return {"name": topology.name, "platform": topology.platform,
+          "device_kind": topology.device_kind, "num_devices": topology.num_devices,
+          "num_hosts": topology.num_hosts, "peak_flops_per_device": topology.peak_flops,
+          "memory_bytes_per_device": topology.memory_bytes}
+
+
+def _params_json(table, model) -> dict:
+  return {"total": table.total, "model_num_params": model.num_params(),
+          "bytes_per_device": table.bytes_per_device,
+          "groups": {name: {"params": g.params, "bytes_per_device": g.bytes_per_device,
+                            "rows": [r.to_json() for r in g.rows]}
+                     for name, g in table.groups.items()}}
+
+
+def _notes(config, table, mesh_shape: dict, batch_size: int, topology: Topology,
+           compiled: bool) -> list[str]:
+  notes = []
+  shards = mesh_shape["data"] * mesh_shape["fsdp"]
+  if batch_size % shards:
+    notes.append(f"train.batch_size={batch_size} does not divide over the {shards} batch"
+                 f" shards (mesh data x fsdp): training will refuse to shard it")
+  microbatches = int(config.train.microbatches or 1)
+  if batch_size % microbatches:
+    notes.append(f"train.batch_size={batch_size} is not a multiple of"
+                 f" train.microbatches={microbatches}")
+  uneven = [r.name for g in table.groups.values() for r in g.rows if r.uneven]
+  if uneven:
+    notes.append(f"unevenly split (XLA pads them): {', '.join(uneven)}")
+  if topology.platform == "cpu" and config.model.remat_policy != "none" and \
+     not config.model.scan_layers:
+    notes.append("XLA:CPU merges remat's recomputation back into the forward unless"
+                 " model.scan_layers is set; the estimate uses remat 'none' here")
+  if compiled and config.model.scan_layers:
+    notes.append("with model.scan_layers XLA's cost analysis counts the scanned layer body"
+                 " once, not once per layer, so its FLOPs fall short of the analytic count")
+  return notes
+
+
+def _phase_json(phase: Phase, model, optimizer, schedule, mesh, table, topology: Topology,
+                mfu: float, rules, real_mesh) -> dict:
+  """One phase: shapes, FLOPs, time, memory (and XLA's view when real_mesh is given)."""
+  config = phase.config
+  mesh_shape = dict(mesh.shape)
+  microbatches = int(config.train.microbatches or 1)
+  flops = flops_lib.train_flops_per_step(model.config, phase.batch_shapes)
+  step_seconds = flops / (topology.num_devices * topology.peak_flops * mfu)
+  memory = estimate_memory(model, optimizer, mesh, table.shardings, table.abstract_params,
+                           phase.batch_shapes, platform=topology.platform,
+                           microbatches=microbatches)
+  batch_shards = mesh_shape["data"] * mesh_shape["fsdp"]
+  out = {
+      "index": phase.index, "first_step": phase.first_step, "until_step": phase.until_step,
+      "steps": phase.steps, "length": phase.length,
+      "options": dict(config.data.options),
+      "batch_shapes": {k: list(v) for k, v in phase.batch_shapes.items()},
+      "per_device_batch_shapes": {k: list(v) for k, v in per_device_batch_shapes(
+          phase.batch_shapes, batch_shards).items()},
+      "tokens_per_step": _tokens(phase.batch_shapes),
+      "flops_per_step": flops, "flops_per_device": flops / topology.num_devices,
+      "flops_breakdown": flops_lib.forward_flops_breakdown(model.config, phase.batch_shapes),
+      "step_seconds": step_seconds, "seconds": step_seconds * phase.steps,
+      "memory": memory.to_json(),
+      "fits": _fits(memory.total, topology),
+      "xla": None,
+  }
+  if real_mesh is not None:
+    xla = compiled_lib.compile_train_step(model, optimizer, schedule, real_mesh, rules,
+                                          phase.batch_shapes, microbatches)
+    xla["memory_ratio"] = memory.total / max(xla["memory"]["total_bytes"], 1)
+    xla["flops_ratio"] = xla["flops"] / flops if flops else None
+    xla["fits"] = _fits(xla["memory"]["total_bytes"], topology)
+    out["xla"] = xla
+  return out
+
+
+def _tokens(batch_shapes: dict) -> int:
+  """Input tokens of one step: the encoder's, plus the decoder's for decoder stacks."""
+  return sum(math.prod(batch_shapes[k]) for k in ("encoder_input_tokens", "decoder_input_tokens")
+             if k in batch_shapes)
+
+
+def _fits(total: int, topology: Topology) -> Optional[bool]:
+  return total <= topology.memory_bytes if topology.memory_bytes else None
+
+
+def make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: float = 0.4,
+              compile_step: str = "auto") -> dict[str, Any]:
+  """The plan of `config` on `topology` (see the module docstring).
+
+  compile_step: 'auto' compiles the real train step when the topology's devices are all
+  present, 'yes' insists (ValueError when they are not), 'no' never does.
+  """
+  if not 0.0 < mfu <= 1.0:
+    raise ValueError(f"--mfu={mfu}: must be in (0, 1]")
+  if compile_step not in COMPILE_CHOICES:
+    raise ValueError(f"compile_step={compile_step!r}: expected one of {COMPILE_CHOICES}")
+  try:
+    mesh = planned_mesh(config.mesh, topology.num_devices)
+  except ValueError as e:
+    raise ValueError(f"topology {topology.name}: {e}") from None
+  rules = tuple(config.mesh.rules) or parallel.DEFAULT_RULES
+  vocab = config_vocab(config)
+  model = build_model_from_config(config, model_vocab_size(config, vocab))
+  optimizer, schedule = make_optimizer(config.optimizer, config.train.num_steps)
+  phases = plan_phases(config, vocab)
+  table = param_table(model, mesh, rules, phases[0].batch_shapes)
+
+  present = topology.devices_present()
+  if compile_step == "yes" and not present:
+    raise ValueError(f"cannot compile for {topology.name}: its {topology.num_devices}"
+                     f" {topology.device_kind} devices are not all present here")
+  real_mesh = None
+  if compile_step == "yes" or (compile_step == "auto" and present):
+    real_mesh = parallel.mesh_from_config(config.mesh, jax.devices(topology.platform))
+
+  planned = [_phase_json(p, model, optimizer, schedule, mesh, table, topology, mfu, rules,
+                         real_mesh) for p in phases]
+  mesh_shape = {k: int(v) for k, v in mesh.shape.items()}
+  peak = max(p["memory"]["total_bytes"] for p in planned)
+  total_flops = sum(p["flops_per_step"] * p["steps"] for p in planned)
+  seconds = sum(p["seconds"] for p in planned)
+  return {
+      "model": _model_json(config, model),
+      "optimizer": config.optimizer.name,
+      "topology": _topology_json(topology),
+      "mesh": mesh_shape,
+      "batch_spec": spec_str(parallel.batch_spec(2, tuple(mesh_shape), rules)),
+      "batch_size": int(config.train.batch_size),
+      "per_host_batch": int(config.train.batch_size) // topology.num_hosts,
+      "microbatches": int(config.train.microbatches or 1),
+      "mfu": mfu,
+      "params": _params_json(table, model),
+      "phases": planned,
+      "total": {"steps": sum(p["steps"] for p in planned), "flops": total_flops,
+                "seconds": seconds, "days": seconds / 86400,
+                "peak_memory_bytes": peak, "fits": _fits(peak, topology)},
+      "compiled": real_mesh is not None,
+      "notes": _notes(config, table, mesh_shape, int(config.train.batch_size), topology,
+                      compiled=real_mesh is not None),
+  }

@@ -1,0 +1,135 @@
+"""The human-readable form of a plan (report.make_plan's dict)."""
+
+from __future__ import annotations
+
+_STATE_LABELS = (("params", "params (float32)"), ("opt_state", "optimizer state"),
+                 ("batch", "batch (int32)"))
+_BACKWARD_LABELS = (("activations", "activations saved for backward"),
+                    ("backward", "one layer's backward working set"),
+                    ("logits", "logits / loss buffers"),
+                    ("gathered", "FSDP-gathered weights"))
+
+
+def human_bytes(n: float) -> str:
+  for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    if abs(n) >= size:
+      return f"{n / size:.2f} {unit}"
+  return f"{int(n)} B"
+
+
+def human_seconds(s: float) -> str:
+  if s >= 2 * 86400:
+    return f"{s / 86400:.2f} days"
+  if s >= 2 * 3600:
+    return f"{s / 3600:.2f} h"
+  if s >= 120:
+    return f"{s / 60:.1f} min"
+  return f"{s * 1000:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def _fits(value) -> str:
+  return {True: "fits", False: "DOES NOT FIT", None: "device memory unknown"}[value]
+
+
+def _header(plan: dict, source: str) -> list[str]:
+  t, m = plan["topology"], plan["model"]
+  mesh = " ".join(f"{k}={v}" for k, v in plan["mesh"].items())
+  layers = (f"{m['layers']}+{m['decoder_layers']} layers" if m["decoder_layers"]
+            else f"{m['layers']} layers")
+  shards = plan["mesh"]["data"] * plan["mesh"]["fsdp"]
+  memory = human_bytes(t["memory_bytes_per_device"]) if t["memory_bytes_per_device"] else "?"
+  return [
+      f"plan of {source} on {t['name']}: {t['num_devices']} x {t['device_kind']} devices,"
+      f" {t['num_hosts']} host(s); {t['peak_flops_per_device'] / 1e12:.1f} TFLOP/s peak"
+      f" and {memory} per device",
+      f"model {m['preset']}: {m['family']}, {layers}, d_model {m['d_model']}, {m['heads']}"
+      f" heads, d_ff {m['d_ff']}, vocab {m['vocab_size']}; compute {m['dtype']}, remat"
+      f" {m['remat_policy']}, scan_layers {m['scan_layers']}; optimizer {plan['optimizer']}",
+      f"mesh {mesh}; batch {plan['batch_size']} global ({plan['per_host_batch']} per host),"
+      f" sharded {plan['batch_spec']} over {shards} shards, microbatches"
+      f" {plan['microbatches']}",
+  ]
+
+
+def _params(plan: dict) -> list[str]:
+  p = plan["params"]
+  same = "=" if p["total"] == p["model_num_params"] else "!="
+  lines = ["", f"parameters: {p['total']:,} ({same} model.num_params() {p['model_num_params']:,});"
+           f" {human_bytes(4 * p['total'])} float32, {human_bytes(p['bytes_per_device'])}"
+           f" per device"]
+  for name, group in p["groups"].items():
+    if not group["params"]:
+      continue
+    lines.append(f"  {name:<11} {group['params']:>13,} params"
+                 f"  {human_bytes(group['bytes_per_device']):>11} per device")
+    for r in group["rows"]:
+      times = f" x{r['count']}" if r["count"] > 1 else ""
+      axes = "(" + ", ".join(str(a) for a in r["logical_axes"]) + ")"
+      lines.append(f"      {r['name']}{times}  {tuple(r['shape'])}  {axes} -> {r['spec']}")
+  return lines
+
+
+def _memory(phase: dict, plan: dict) -> list[str]:
+  est, xla = phase["memory"], phase["xla"]
+  limit = plan["topology"]["memory_bytes_per_device"]
+  row = lambda label, n, indent=4: f"{' ' * indent}{label:<{38 - indent}} {human_bytes(n):>11}"
+  lines = [f"  memory per device (estimate, remat {est['remat_policy']}, per-device batch"
+           f" {est['per_device_batch']}):"]
+  lines += [row(label, est[f + "_bytes"]) for f, label in _STATE_LABELS]
+  lines.append(row("gradients (float32)", est["grads_bytes"]))
+  backward = sum(est[f + "_bytes"] for f, _ in _BACKWARD_LABELS)
+  mark = lambda peak: "  <- peak" if est["peak"] == peak else ""
+  lines.append(row("backward pass:", backward) + mark("backward"))
+  lines += [row(label, est[f + "_bytes"], 6) for f, label in _BACKWARD_LABELS]
+  lines.append(row("optimizer update temporaries", est["update_bytes"]) +
+               mark("optimizer update"))
+  of = f" of {human_bytes(limit)}" if limit else ""
+  lines.append(row("total", est["total_bytes"]) + f"{of}: {_fits(phase['fits'])}")
+  if xla:
+    m = xla["memory"]
+    lines += [
+        f"  XLA memory analysis of the compiled step, per device:  {'XLA':>11}  {'estimate':>11}",
+        row("arguments (state + batch)", m["argument_bytes"]) +
+        f"  {human_bytes(est['state_bytes']):>11}",
+        row("outputs", m["output_bytes"]),
+        row("aliased (donated state)", m["alias_bytes"]),
+        row("temporaries", m["temp_bytes"]) + f"  {human_bytes(est['temporaries_bytes']):>11}",
+        row("generated code", m["generated_code_bytes"]),
+        row("total (args + out + temp - aliased)", m["total_bytes"]) +
+        f"  {human_bytes(est['total_bytes']):>11}  estimate / XLA ="
+        f" {xla['memory_ratio']:.2f}; XLA's total {_fits(xla['fits'])}",
+    ]
+  return lines
+
+
+def _phase(phase: dict, plan: dict) -> list[str]:
+  shapes = ", ".join(f"{k} {v}" for k, v in phase["batch_shapes"].items())
+  lines = ["", f"phase {phase['index'] + 1}: steps {phase['first_step']:,} to"
+           f" {phase['until_step']:,} ({phase['steps']:,} steps), length {phase['length']}",
+           f"  batch: {shapes}",
+           f"  FLOPs per step: {phase['flops_per_step']:.4g} ({phase['flops_per_device']:.4g}"
+           f" per device; {phase['tokens_per_step']:,} tokens)"]
+  if phase["xla"]:
+    x = phase["xla"]
+    lines.append(f"  XLA cost analysis: {x['flops']:.4g} FLOPs per step"
+                 f" ({x['flops_per_device']:.4g} per device) = {x['flops_ratio']:.3f} x the"
+                 f" analytic count (XLA also counts elementwise ops and remat recompute)")
+  lines.append(f"  at {plan['mfu']:.0%} MFU: {human_seconds(phase['step_seconds'])} per step,"
+               f" {human_seconds(phase['seconds'])} for the phase")
+  return lines + _memory(phase, plan)
+
+
+def format_plan(plan: dict, source: str = "config") -> str:
+  """The plan as text: header, parameters, each phase, the total and any notes."""
+  lines = _header(plan, source) + _params(plan)
+  for phase in plan["phases"]:
+    lines += _phase(phase, plan)
+  total = plan["total"]
+  limit = plan["topology"]["memory_bytes_per_device"]
+  of = f" of {human_bytes(limit)}" if limit else ""
+  lines += ["", f"total: {total['steps']:,} steps, {total['flops']:.4g} FLOPs,"
+            f" {human_seconds(total['seconds'])} at {plan['mfu']:.0%} MFU; peak memory"
+            f" {human_bytes(total['peak_memory_bytes'])} per device{of}:"
+            f" {_fits(total['fits'])}"]
+  lines += [f"note: {n}" for n in plan["notes"]]
+  return "\n".join(lines)
