@@ -24,6 +24,7 @@ from t5x_like.plan.params import param_table, spec_str
 from t5x_like.plan.shapes import Phase, config_vocab, model_vocab_size, plan_phases
 from t5x_like.plan.topology import Topology, planned_mesh
 from t5x_like.train import flops as flops_lib
+from t5x_like.train.config_check import validate
 from t5x_like.train.loop import build_model_from_config
 from t5x_like.train.optimizers import make_optimizer
 
@@ -142,6 +143,7 @@ def make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: flo
     raise ValueError(f"topology {topology.name}: {e}") from None
   rules = tuple(config.mesh.rules) or parallel.DEFAULT_RULES
   vocab = config_vocab(config)
+  validate(config, topology.num_devices, vocab_size=model_vocab_size(config, vocab))
   model = build_model_from_config(config, model_vocab_size(config, vocab))
   optimizer, schedule = make_optimizer(config.optimizer, config.train.num_steps)
   phases = plan_phases(config, vocab)

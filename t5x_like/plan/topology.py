@@ -17,7 +17,8 @@ import re
 import jax
 from jax.sharding import AbstractMesh, AxisType
 
-from t5x_like.parallel import MESH_AXES, resolve_axis_sizes
+from t5x_like.parallel import MESH_AXES
+from t5x_like.train.config_check import mesh_axis_sizes
 from t5x_like.train import flops as flops_lib
 
 GiB = 1 << 30
@@ -140,19 +141,12 @@ def planned_mesh(mesh_cfg, num_devices: int) -> AbstractMesh:
   Each axis is mesh.<axis> * mesh.dcn_<axis> (see parallel.mesh_from_config); raises
   ValueError naming the mesh keys when the sizes do not fit the devices.
   """
-  dcn = {a: int(mesh_cfg.get(f"dcn_{a}", 1)) for a in MESH_AXES}
-  ici = {a: int(mesh_cfg.get(a, 1)) for a in MESH_AXES}
-  shown = ", ".join([f"mesh.{a}={ici[a]}" for a in MESH_AXES] +
-                    [f"mesh.dcn_{a}={dcn[a]}" for a in MESH_AXES if dcn[a] != 1])
-  num_slices = math.prod(dcn.values())
-  if num_slices < 1 or num_devices % num_slices:
-    raise ValueError(f"the mesh ({shown}) does not fit {num_devices} devices: the dcn_*"
-                     f" sizes multiply to {num_slices} slices, which does not divide them")
+  shown = ", ".join([f"mesh.{a}={int(mesh_cfg.get(a, 1))}" for a in MESH_AXES] +
+                    [f"mesh.dcn_{a}={int(mesh_cfg.get(f'dcn_{a}', 1))}" for a in MESH_AXES
+                     if int(mesh_cfg.get(f"dcn_{a}", 1)) != 1])
   try:
-    ici = resolve_axis_sizes(ici, num_devices // num_slices)
+    sizes = mesh_axis_sizes(mesh_cfg, num_devices)
   except ValueError as e:
-    raise ValueError(f"the mesh ({shown}) does not fit {num_devices} devices"
-                     f" ({num_devices // num_slices} per slice): {e}") from None
-  sizes = tuple(ici[a] * dcn[a] for a in MESH_AXES)
-  return AbstractMesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-
+    raise ValueError(f"the mesh ({shown}) does not fit {num_devices} devices: {e}") from None
+  return AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
+                      axis_types=(AxisType.Auto,) * len(MESH_AXES))
