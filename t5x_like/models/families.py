@@ -143,11 +143,16 @@ class EncoderModule(nn.Module):
 
 
 class DecoderModule(nn.Module):
-  """GPT-2: causal (or prefix-LM) decoder-only LM. [B, T] tokens -> [B, T, V] logits."""
+  """GPT-2: causal (or prefix-LM) decoder-only LM. [B, T] tokens -> [B, T, V] logits.
+
+  return_hidden: return the final hidden states [B, T, D] (after the final norm)
+  instead of logits, for fine-tuning heads (t5x_like.finetune).
+  """
 
   config: ModelConfig
   deterministic: bool = True
   decode: bool = False
+  return_hidden: bool = False
 
   @nn.compact
   def __call__(self, batch: Batch) -> Array:
@@ -161,6 +166,8 @@ class DecoderModule(nn.Module):
     x = Stack(cfg, cfg.num_layers, causal=True, deterministic=self.deterministic,
               decode=self.decode, name="decoder")(x, mask, positions,
                                                   decode_index=decode_index)
+    if self.return_hidden:
+      return x
     return _output_logits(cfg, embed, _logits_dense(cfg, "logits_dense"), x)
 
 

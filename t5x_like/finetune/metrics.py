@@ -1,0 +1,99 @@
+"""Evaluation metrics of fine-tuning tasks (host side, numpy / plain Python).
+
+  accuracy(predictions, labels)              labels < 0 are ignored
+  macro_f1(predictions, labels)              mean F1 over the classes that occur in
+                                             labels or predictions
+  normalize_answer(text)                     SQuAD: lower, drop punctuation, articles,
+                                             extra whitespace
+  exact_match(prediction, answers)           max over the gold answers, 0 / 1
+  token_f1(prediction, answers)              max over the gold answers of the token F1
+  squad_scores(predictions, answers)         {'exact_match', 'f1'} in percent
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import string
+from typing import Sequence, Union
+
+import numpy as np
+
+Answers = Union[str, Sequence[str]]
+
+
+def _valid(predictions, labels) -> tuple[np.ndarray, np.ndarray]:
+  predictions, labels = np.asarray(predictions).reshape(-1), np.asarray(labels).reshape(-1)
+  if predictions.shape != labels.shape:
+    raise ValueError(f"{predictions.shape[0]} predictions for {labels.shape[0]} labels")
+  keep = labels >= 0
+  return predictions[keep], labels[keep]
+
+
+def accuracy(predictions, labels) -> float:
+  """Fraction of predictions equal to their label, over labels >= 0 (any shape)."""
+  predictions, labels = _valid(predictions, labels)
+  return float(np.mean(predictions == labels)) if labels.size else 0.0
+
+
+def macro_f1(predictions, labels) -> float:
+  """Unweighted mean over classes c in labels or predictions of
+  F1_c = 2 tp / (2 tp + fp + fn) (0 when a class has no true positive)."""
+  predictions, labels = _valid(predictions, labels)
+  classes = np.union1d(predictions, labels)
+  if not classes.size:
+    return 0.0
+  scores = []
+  for c in classes:
+    tp = np.sum((predictions == c) & (labels == c))
+    fp = np.sum((predictions == c) & (labels != c))
+    fn = np.sum((predictions != c) & (labels == c))
+    scores.append(2 * tp / (2 * tp + fp + fn))
+  return float(np.mean(scores))
+
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
+_PUNCTUATION = set(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+  """SQuAD's normalisation: lower case, no punctuation, no articles, single spaces."""
+  text = "".join(c for c in text.lower() if c not in _PUNCTUATION)
+  return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def _as_list(answers: Answers) -> list[str]:
+  return [answers] if isinstance(answers, str) else list(answers)
+
+
+def exact_match(prediction: str, answers: Answers) -> float:
+  """1.0 if the normalised prediction equals any normalised gold answer."""
+  return float(max(normalize_answer(prediction) == normalize_answer(a)
+                   for a in _as_list(answers)))
+
+
+def _token_f1(prediction: str, answer: str) -> float:
+  pred, gold = normalize_answer(prediction).split(), normalize_answer(answer).split()
+  if not pred or not gold:  # SQuAD 2.0: both empty (no answer) counts as a match
+    return float(pred == gold)
+  common = sum((collections.Counter(pred) & collections.Counter(gold)).values())
+  if common == 0:
+    return 0.0
+  precision, recall = common / len(pred), common / len(gold)
+  return 2 * precision * recall / (precision + recall)
+
+
+def token_f1(prediction: str, answers: Answers) -> float:
+  """Max over gold answers of the F1 of shared normalised tokens (bag of words)."""
+  return max(_token_f1(prediction, a) for a in _as_list(answers))
+
+
+def squad_scores(predictions: Sequence[str], answers: Sequence[Answers]) -> dict[str, float]:
+  """{'exact_match', 'f1'}: means over examples, in percent (as the SQuAD script)."""
+  if len(predictions) != len(answers):
+    raise ValueError(f"{len(predictions)} predictions for {len(answers)} examples")
+  if not predictions:
+    return {"exact_match": 0.0, "f1": 0.0}
+  em = [exact_match(p, a) for p, a in zip(predictions, answers)]
+  f1 = [token_f1(p, a) for p, a in zip(predictions, answers)]
+  return {"exact_match": 100.0 * float(np.mean(em)), "f1": 100.0 * float(np.mean(f1))}
