@@ -7,11 +7,12 @@ of the step) all restart exactly from a checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import ml_collections
@@ -181,8 +182,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     writer.truncate_after(step)  # rows of steps after it are about to be redone
     writer.log(f"resumed from step {step}")
 
-  flops_cache: dict = {}
   preemption = _Preemption()
+  run = _Run(model, optimizer, schedule, mesh, rules, rng, state_shardings, checkpointer,
+             writer, preemption,
+             flops_lib.peak_flops_per_device(jax.devices()[0], dtype=model.config.dtype))
   eval_metrics: dict = {}
   try:
     for phase, (until_step, phase_config) in enumerate(phases):
@@ -198,9 +201,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
       # previous phase's end carries that phase's, which a new phase does not continue.
       resume_data = data_state[0] if data_state and data_state[1] == phase else None
       step, state, eval_metrics, stopped = _run_phase(
-          phase_config, phase, until_step, step, state, state_shardings, objective,
-          eval_objective, batch_shapes, resume_data, model, optimizer, schedule, mesh,
-          rules, rng, checkpointer, writer, preemption, flops_cache)
+          run, phase_config, phase, until_step, step, state, objective, eval_objective,
+          batch_shapes, resume_data)
       data_state = None
       if stopped:
         break
@@ -212,27 +214,40 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   return eval_metrics
 
 
-def _run_phase(config, phase, until_step, step, state, state_shardings, objective,
-               eval_objective, batch_shapes, resume_data, model, optimizer, schedule, mesh,
-               rules, rng, checkpointer, writer, preemption, flops_cache):
+@dataclasses.dataclass(frozen=True)
+class _Run:
+  """What stays the same across the phases of one run."""
+  model: Any
+  optimizer: Any
+  schedule: Any
+  mesh: Any
+  rules: Any
+  rng: jax.Array
+  state_shardings: Any
+  checkpointer: Checkpointer
+  writer: MetricWriter
+  preemption: _Preemption
+  peak_flops_per_device: float
+
+
+def _run_phase(run: _Run, config, phase: int, until_step: int, step: int, state, objective,
+               eval_objective, batch_shapes, resume_data):
   """Steps from `step` to `until_step` on one phase's data; (step, state, eval metrics,
   stopped by SIGTERM)."""
   tc = config.train
+  model, mesh, rules, rng = run.model, run.mesh, run.rules, run.rng
+  checkpointer, writer = run.checkpointer, run.writer
   loader = make_loader(objective, tc.batch_size, seed=config.seed + 1000 * phase,
                        num_workers=config.data.num_workers)
   batches = iter(loader)
   if resume_data is not None:
     batches.set_state(resume_data)
-  train_step = make_train_step(model, optimizer, schedule, microbatches=tc.microbatches,
-                               mesh=mesh, rules=rules, state_shardings=state_shardings,
-                               batch_shapes=batch_shapes)
-  eval_step = make_eval_step(model, mesh=mesh, rules=rules, state_shardings=state_shardings,
-                             batch_shapes=batch_shapes)
+  train_step = make_train_step(model, run.optimizer, run.schedule,
+                               microbatches=tc.microbatches, mesh=mesh, rules=rules,
+                               state_shardings=run.state_shardings, batch_shapes=batch_shapes)
+  eval_step = make_eval_step(model, mesh=mesh, rules=rules,
+                             state_shardings=run.state_shardings, batch_shapes=batch_shapes)
   flops_per_step = flops_lib.train_flops_per_step(model.config, batch_shapes)
-  if "peak" not in flops_cache:
-    flops_cache["peak"] = flops_lib.peak_flops_per_device(jax.devices()[0],
-                                                          dtype=model.config.dtype)
-  peak = flops_cache["peak"]
   tokens_per_step = tc.batch_size * config.data.length
 
   def evaluate(step: int) -> dict:
@@ -272,7 +287,7 @@ def _run_phase(config, phase, until_step, step, state, state_shardings, objectiv
       scalars = summarize_train_metrics(
           metrics, step_seconds=seconds, tokens_per_step=tokens_per_step,
           flops_per_step=flops_per_step, num_devices=jax.device_count(),
-          peak_per_device=peak)
+          peak_per_device=run.peak_flops_per_device)
       writer.write_scalars(step, scalars)
       writer.progress(step, scalars["loss"])
       interval_start, interval_steps = time.perf_counter(), 0
@@ -280,7 +295,7 @@ def _run_phase(config, phase, until_step, step, state, state_shardings, objectiv
       save(step)
     if tc.eval_every and step % tc.eval_every == 0:
       eval_metrics = evaluate(step)
-    if preemption.requested:
+    if run.preemption.requested:
       writer.log(f"SIGTERM: saving a checkpoint at step {step} and exiting")
       save(step, force=True)
       return step, state, eval_metrics, True
