@@ -8,7 +8,7 @@ so that they run on the cache (steppers) or on anything else that gives logits.
 """
 
 from t5x_like.infer.beam import beam_search, expand_beams, gather_beams
-from t5x_like.infer.generate import DecodeConfig, generate, prompt_lengths
+from t5x_like.infer.decoding import DecodeConfig, generate, prompt_lengths
 from t5x_like.infer.sampling import choose_token, process_logits, top_k_filter, top_p_filter
 from t5x_like.infer.scoring import score, target_weights, token_log_likelihood
 from t5x_like.infer.search import Decoded, temperature_sample

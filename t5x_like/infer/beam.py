@@ -26,8 +26,19 @@ import jax.numpy as jnp
 from t5x_like.infer.search import Decoded, StepFn
 
 Array = jax.Array
-EarlyStopping = Union[bool, str]
+EarlyStopping = Union[bool, str, Array]
 _BLOCKED = -1.0e9  # HF's score for impossible candidates (added, so blocks accumulate)
+EARLY_STOPPING_CODES = {False: 0, True: 1, "never": 2}
+
+
+def early_stopping_code(early_stopping: EarlyStopping) -> Array:
+  """HF's early_stopping (False, True or "never") as an int32 code, traceable."""
+  if isinstance(early_stopping, jax.Array):
+    return early_stopping.astype(jnp.int32)
+  for value, code in EARLY_STOPPING_CODES.items():
+    if early_stopping is value or (isinstance(value, str) and early_stopping == value):
+      return jnp.asarray(code, jnp.int32)
+  raise ValueError(f"early_stopping={early_stopping!r}: expected True, False or 'never'")
 
 
 # ------------------------------------------------------- beams in the batch dimension
@@ -50,7 +61,7 @@ def gather_beams(tree: Any, batch_axes: Any, rows_BK: Array) -> Any:
 # ----------------------------------------------------------------------- the search
 class _BeamState(NamedTuple):
   step: Array  # tokens generated so far
-  logits_BKxV: Array
+  last_BK: Array  # the tokens to feed next
   running_BxKxN: Array
   running_scores_BxK: Array  # summed log-probs, sorted best first
   finished_BxKxN: Array
@@ -67,27 +78,32 @@ def _take(x_BxM, index_BxJ):
   return jnp.take_along_axis(x_BxM, index, axis=1)
 
 
-def beam_search(first_logits_BxV: Array, decode_state: Any, step_fn: StepFn, batch_axes: Any, *,
-                num_beams: int, max_new_tokens: int, eos_id: Optional[int] = None,
-                pad_id: int = 0, length_penalty: float = 1.0,
+def beam_search(first_token_B: Array, decode_state: Any, step_fn: StepFn, batch_axes: Any, *,
+                num_beams: int, max_new_tokens: int, eos_id: Optional[Union[int, Array]] = None, pad_id: int = 0,
+                length_penalty: Union[float, Array] = 1.0,
                 early_stopping: EarlyStopping = False) -> Decoded:
   """Beam search of max_new_tokens tokens -> Decoded(best tokens [B, N], their scores [B]).
 
-  first_logits_BxV and decode_state ([B, ...], batch axis of each leaf in batch_axes)
-  come from the prompt; step_fn runs on [B * K] rows.
+  first_token_B (fed first: a prompt's last token, T5's decoder start) and decode_state
+  ([B, ...], the batch axis of each leaf in batch_axes) come from the prompt; step_fn
+  runs on [B * K] rows. eos_id, length_penalty and early_stopping (as
+  early_stopping_code) may be traced scalars (eos_id < 0: no eos).
   """
-  if early_stopping not in (True, False, "never"):
-    raise ValueError(f"early_stopping={early_stopping!r}: expected True, False or 'never'")
-  batch, vocab = first_logits_BxV.shape
-  k, n = num_beams, max_new_tokens
-  if vocab < 2 * k:
-    raise ValueError(f"num_beams={k} needs a vocabulary of at least {2 * k} tokens")
+  code = early_stopping_code(early_stopping)
+  stop_when_full = code == EARLY_STOPPING_CODES[True]
+  never = code == EARLY_STOPPING_CODES["never"]
+  batch, k, n = first_token_B.shape[0], num_beams, max_new_tokens
   top_k_mask_2K = jnp.arange(2 * k) < k
+  length_penalty = jnp.asarray(length_penalty, jnp.float32)
 
-  def select(s: _BeamState) -> _BeamState:
+  def feed_and_select(s: _BeamState) -> _BeamState:
     t = s.step
-    log_probs_BxKxV = jax.nn.log_softmax(s.logits_BKxV.astype(jnp.float32), axis=-1)
-    totals_BxKV = (log_probs_BxKxV.reshape(batch, k, vocab)
+    logits_BKxV, decode_state = step_fn(s.decode_state, s.last_BK)
+    vocab = logits_BKxV.shape[-1]
+    if vocab < 2 * k:
+      raise ValueError(f"num_beams={k} needs a vocabulary of at least {2 * k} tokens")
+    log_probs_BKxV = jax.nn.log_softmax(logits_BKxV.astype(jnp.float32), axis=-1)
+    totals_BxKV = (log_probs_BKxV.reshape(batch, k, vocab)
                    + s.running_scores_BxK[:, :, None]).reshape(batch, k * vocab)
     # 1. the 2K best continuations
     cand_scores_Bx2K, cand_index_Bx2K = jax.lax.top_k(totals_BxKV, 2 * k)
@@ -109,7 +125,7 @@ def beam_search(first_logits_BxV: Array, decode_state: Any, step_fn: StepFn, bat
     # 2. finished hypotheses among the top K, merged with the finished ones so far
     just_finished_Bx2K = ends_Bx2K & top_k_mask_2K[None]
     normalised_Bx2K = cand_scores_Bx2K / (t + 1).astype(jnp.float32) ** length_penalty
-    full_B = jnp.all(s.finished_BxK, axis=-1) & (early_stopping is True)
+    full_B = jnp.all(s.finished_BxK, axis=-1) & stop_when_full
     normalised_Bx2K = (normalised_Bx2K + full_B[:, None] * _BLOCKED
                        + (~s.improvable_B)[:, None] * _BLOCKED
                        + (~just_finished_Bx2K) * _BLOCKED)
@@ -120,33 +136,29 @@ def beam_search(first_logits_BxV: Array, decode_state: Any, step_fn: StepFn, bat
                          best_BxK)
 
     rows_BK = (jnp.arange(batch)[:, None] * k + source_beam_BxK).reshape(-1)
-    decode_state = gather_beams(s.decode_state, batch_axes, rows_BK)
+    decode_state = gather_beams(decode_state, batch_axes, rows_BK)
 
     # Can a running beam still beat the worst finished hypothesis?
-    length = n if (early_stopping == "never" and length_penalty > 0.0) else t + 1
-    best_running_B = running_scores_BxK[:, 0] / jnp.asarray(length, jnp.float32) ** length_penalty
+    length = jnp.where(never & (length_penalty > 0.0), n, t + 1)
+    best_running_B = running_scores_BxK[:, 0] / length.astype(jnp.float32) ** length_penalty
     worst_finished_BxK = jnp.where(
         finished_BxK, jnp.min(finished_scores_BxK, axis=-1, keepdims=True), _BLOCKED)
     improvable_B = s.improvable_B & jnp.any(best_running_B[:, None] > worst_finished_BxK, -1)
-    return _BeamState(step=t + 1, logits_BKxV=s.logits_BKxV, running_BxKxN=running_BxKxN,
+    return _BeamState(step=t + 1, last_BK=_take(cand_token_Bx2K, keep_BxK).reshape(-1),
+                      running_BxKxN=running_BxKxN,
                       running_scores_BxK=running_scores_BxK, finished_BxKxN=finished_BxKxN,
                       finished_scores_BxK=finished_scores_BxK, finished_BxK=finished_BxK,
                       improvable_B=improvable_B, all_hit_limit=jnp.all(ends_Bx2K),
                       decode_state=decode_state)
 
-  def feed_and_select(s: _BeamState) -> _BeamState:
-    last_BK = jax.lax.dynamic_slice_in_dim(s.running_BxKxN, s.step - 1, 1, axis=2).reshape(-1)
-    logits_BKxV, decode_state = step_fn(s.decode_state, last_BK)
-    return select(s._replace(logits_BKxV=logits_BKxV, decode_state=decode_state))
-
   def not_finished(s: _BeamState) -> Array:
-    all_full = jnp.all(s.finished_BxK) & (early_stopping is True)
+    all_full = jnp.all(s.finished_BxK) & stop_when_full
     return (s.step < n) & jnp.any(s.improvable_B) & ~all_full & ~s.all_hit_limit
 
   pads_BxKxN = jnp.full((batch, k, n), pad_id, jnp.int32)
   state = _BeamState(
       step=jnp.zeros((), jnp.int32),
-      logits_BKxV=jnp.repeat(first_logits_BxV, k, axis=0),
+      last_BK=jnp.repeat(first_token_B.astype(jnp.int32), k, axis=0),
       running_BxKxN=pads_BxKxN,
       # Only beam 0 is live at first: the K copies of the prompt must not all expand.
       running_scores_BxK=jnp.where(jnp.arange(k) == 0, 0.0, _BLOCKED)[None].repeat(batch, 0),
@@ -156,5 +168,5 @@ def beam_search(first_logits_BxV: Array, decode_state: Any, step_fn: StepFn, bat
       improvable_B=jnp.ones((batch,), jnp.bool_),
       all_hit_limit=jnp.zeros((), jnp.bool_),
       decode_state=expand_beams(decode_state, batch_axes, k))
-  state = jax.lax.while_loop(not_finished, feed_and_select, select(state))
+  state = jax.lax.while_loop(not_finished, feed_and_select, state)
   return Decoded(state.finished_BxKxN[:, 0], state.finished_scores_BxK[:, 0])

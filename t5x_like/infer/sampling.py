@@ -6,7 +6,7 @@ a filtered-out token gets -inf and can never be drawn.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -40,19 +40,25 @@ def top_p_filter(logits_BxV: Array, top_p: float) -> Array:
   return jnp.where(logits_BxV < threshold_Bx1, NEG_INF, logits_BxV)
 
 
-def process_logits(logits_BxV: Array, *, temperature: float = 1.0, top_k: int = 0,
+def process_logits(logits_BxV: Array, *, temperature: Union[float, Array] = 1.0, top_k: int = 0,
                    top_p: float = 1.0) -> Array:
   """float32 logits divided by temperature, then top-k and top-p filtered."""
-  logits_BxV = logits_BxV.astype(jnp.float32)
-  if temperature != 1.0:
-    logits_BxV = logits_BxV / temperature
+  logits_BxV = logits_BxV.astype(jnp.float32) / temperature
   return top_p_filter(top_k_filter(logits_BxV, top_k), top_p)
 
 
-def choose_token(logits_BxV: Array, rng: Optional[Array], *, temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 1.0) -> Array:
-  """Next token ids [B]: argmax when rng is None or temperature == 0, else a sample."""
-  if rng is None or temperature == 0.0:
-    return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-  filtered_BxV = process_logits(logits_BxV, temperature=temperature, top_k=top_k, top_p=top_p)
-  return jax.random.categorical(rng, filtered_BxV, axis=-1).astype(jnp.int32)
+def choose_token(logits_BxV: Array, rng: Optional[Array], *,
+                 temperature: Union[float, Array] = 1.0, top_k: int = 0,
+                 top_p: float = 1.0) -> Array:
+  """Next token ids [B]: argmax when rng is None or temperature == 0, else a sample.
+
+  temperature may be a traced scalar; top_k and top_p are static (they shape the work).
+  """
+  greedy_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+  if rng is None:
+    return greedy_B
+  temperature = jnp.asarray(temperature, jnp.float32)
+  filtered_BxV = process_logits(logits_BxV, temperature=jnp.maximum(temperature, 1e-30),
+                                top_k=top_k, top_p=top_p)
+  sampled_B = jax.random.categorical(rng, filtered_BxV, axis=-1).astype(jnp.int32)
+  return jnp.where(temperature > 0.0, sampled_B, greedy_B)

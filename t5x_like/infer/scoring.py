@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from t5x_like import parallel
-from t5x_like.infer.rules import hashable_rules, traced_rules
+from t5x_like.infer.sharding import hashable_rules, traced_rules
 
 Array = jax.Array
 

@@ -1,10 +1,12 @@
 """The models as incremental decoders on the KV cache (`module(decode=True)`).
 
-Each builder runs the prompt once and returns a Stepper: the next-token logits after
-the prompt [B, V], the decoding state (the cache, and for the decoder-only family the
-next position of each row), `step_fn(state, token) -> (logits, state)` for
-B * rows_per_example rows (beam search folds beams into the batch), and the batch axis
-of every state leaf (how beams are expanded and reordered).
+Each builder runs the prompt (but its last token) once and returns a Stepper: the
+token to feed first [B] (the prompt's last token; T5's decoder start token), the
+decoding state (the cache, and for the decoder-only family the position of each row's
+next token), `step_fn(state, token) -> (logits, state)` for B * rows_per_example rows
+(beam search folds beams into the batch), and the batch axis of every state leaf (how
+beams are expanded and reordered). Feeding the first token inside the search loop
+keeps one trace of the step.
 
 Decoder-only prompts come right-padded ([B, P] with per-row lengths, the layout of the
 training data) and are left-aligned here, so that every row generates into the same
@@ -24,7 +26,7 @@ Array = jax.Array
 
 
 class Stepper(NamedTuple):
-  first_logits_BxV: Array
+  first_token_B: Array
   state: Any
   step_fn: Callable[[Any, Array], tuple[Array, Any]]
   batch_axes: Any  # per state leaf: its batch axis, or None
@@ -63,13 +65,18 @@ def left_align(prompt_BxP: Array, lengths_B: Array, pad_id: int = 0):
 
 def decoder_only(model, params, prompt_BxP: Array, lengths_B: Array, *, max_new_tokens: int,
                  rows_per_example: int = 1, pad_id: int = 0) -> Stepper:
-  """GPT-2 family: prefill the left-aligned prompt, then one token per step.
-
-  The cache holds P + max_new_tokens - 1 slots (the last token is never fed back).
+  """GPT-2 family: prefill the left-aligned prompt but its last token, then one token
+  per step. The cache holds P + max_new_tokens - 1 slots (the last generated token is
+  never fed back).
   """
   del rows_per_example  # every per-row input lives in the state
   batch, prompt_len = prompt_BxP.shape
   cache_len = prompt_len + max_new_tokens - 1
+  cfg = model.config
+  if cfg.position_embedding == "learned" and cache_len > cfg.max_position_embeddings:
+    raise ValueError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} - 1 ="
+                     f" {cache_len} positions > max_position_embeddings"
+                     f" {cfg.max_position_embeddings}")
   module = model.module(decode=True)
 
   def make_cache(rows):
@@ -82,9 +89,11 @@ def decoder_only(model, params, prompt_BxP: Array, lengths_B: Array, *, max_new_
     return logits, mutated["cache"]
 
   tokens_BxP, valid_BxP, positions_BxP = left_align(prompt_BxP, lengths_B, pad_id)
-  logits_BxPxV, cache = run(make_cache(batch), {
-      "decoder_input_tokens": tokens_BxP, "decoder_segment_ids": valid_BxP.astype(jnp.int32),
-      "decoder_positions": positions_BxP})
+  cache = make_cache(batch)
+  if prompt_len > 1:
+    _, cache = run(cache, {"decoder_input_tokens": tokens_BxP[:, :-1],
+                           "decoder_segment_ids": valid_BxP[:, :-1].astype(jnp.int32),
+                           "decoder_positions": positions_BxP[:, :-1]})
 
   def step_fn(state, token_B):
     cache, position_B = state
@@ -92,13 +101,14 @@ def decoder_only(model, params, prompt_BxP: Array, lengths_B: Array, *, max_new_
                                       "decoder_positions": position_B[:, None]})
     return logits_Bx1xV[:, 0], (cache, position_B + 1)
 
-  state = (cache, lengths_B.astype(jnp.int32))
-  return Stepper(logits_BxPxV[:, -1], state, step_fn, (_batch_axes(make_cache), 0))
+  state = (cache, positions_BxP[:, -1].astype(jnp.int32))
+  return Stepper(tokens_BxP[:, -1], state, step_fn, (_batch_axes(make_cache), 0))
 
 
 def encoder_decoder(model, params, encoder_tokens_BxL: Array, *, max_new_tokens: int,
                     rows_per_example: int = 1, decoder_start_id: int = 0) -> Stepper:
-  """T5 family: encode once, then decode from decoder_start_id (T5: the pad id 0).
+  """T5 family: encode once, then decode from decoder_start_id (T5: the pad id 0), fed
+  as the first token.
 
   The encoder output is shared by the rows_per_example rows of each example and is
   not part of the state (it never needs reordering).
@@ -124,12 +134,11 @@ def encoder_decoder(model, params, encoder_tokens_BxL: Array, *, max_new_tokens:
         method="decode_logits", mutable=["cache"])
     return logits[:, 0], mutated["cache"]
 
-  start_B = jnp.full((batch,), decoder_start_id, jnp.int32)
-  first_logits_BxV, cache = run(make_cache(batch), encoded_BxLxD, encoder_tokens_BxL, start_B)
   encoded_rows = jnp.repeat(encoded_BxLxD, rows_per_example, axis=0)
   encoder_tokens_rows = jnp.repeat(encoder_tokens_BxL, rows_per_example, axis=0)
 
   def step_fn(cache, token_B):
     return run(cache, encoded_rows, encoder_tokens_rows, token_B)
 
-  return Stepper(first_logits_BxV, cache, step_fn, _batch_axes(make_cache))
+  start_B = jnp.full((batch,), decoder_start_id, jnp.int32)
+  return Stepper(start_B, make_cache(batch), step_fn, _batch_axes(make_cache))

@@ -137,7 +137,7 @@ class EncoderModel(Model):
 
 
 class _SequenceModel(Model):
-  """Shared loss for models whose output is [B, T, V] decoder logits."""
+  """Shared loss, decoding and scoring for models whose output is [B, T, V] decoder logits."""
 
   def loss_normalizers(self, batch) -> dict[str, Array]:
     """Denominator of the loss over `batch`: sum(decoder_loss_weights)."""
@@ -162,9 +162,8 @@ class _SequenceModel(Model):
     metrics["loss"] = metrics["token_loss"]
     return metrics["loss"], metrics
 
-
   # ------------------------------------------------------------- inference
-  default_eos_id: Optional[int] = None
+  default_eos_id: Optional[int] = None  # eos of predict() unless given
 
   def predict(self, params, batch, **decode_kwargs) -> Array:
     """Generated tokens [B, max_new_tokens], pad after eos (t5x_like.infer.generate).

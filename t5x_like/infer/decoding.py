@@ -29,8 +29,8 @@ from jax.sharding import Mesh
 
 from t5x_like import parallel
 from t5x_like.infer import steppers
-from t5x_like.infer.beam import beam_search
-from t5x_like.infer.rules import hashable_rules, traced_rules
+from t5x_like.infer.beam import beam_search, early_stopping_code
+from t5x_like.infer.sharding import hashable_rules, traced_rules
 from t5x_like.infer.search import Decoded, temperature_sample
 
 Array = jax.Array
@@ -38,11 +38,14 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-  """Static decoding settings (a jit recompiles when they change).
+  """Decoding settings. eos_id, length_penalty, temperature and early_stopping reach the
+  jitted loop as traced scalars (changing them does not recompile); the others are
+  static.
 
   num_beams > 1: beam search (length_penalty, early_stopping as Hugging Face);
   otherwise greedy, or sampling when generate() gets an rng (temperature 0: greedy;
-  top_k 0 and top_p 1.0: no filter). eos_id None: every row runs max_new_tokens.
+  top_k 0 and top_p 1.0: no filter). eos_id None (the default): every row runs
+  max_new_tokens (T5's eos is 1, GPT-2's 50256).
   """
 
   max_new_tokens: int
@@ -65,6 +68,7 @@ class DecodeConfig:
       raise ValueError(f"temperature={self.temperature}: must be >= 0")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+    early_stopping_code(self.early_stopping)  # raises on anything but False, True, "never"
 
 
 def prompt_lengths(batch: Mapping[str, Array]) -> Array:
@@ -91,18 +95,18 @@ def _stepper(model, params, batch, cfg: DecodeConfig) -> steppers.Stepper:
 
 
 @functools.partial(jax.jit, static_argnames=("model", "cfg", "mesh", "rules"))
-def _generate(model, params, batch, rng, *, cfg: DecodeConfig, mesh, rules) -> Decoded:
+def _generate(model, params, batch, rng, scalars, *, cfg: DecodeConfig, mesh, rules) -> Decoded:
   with traced_rules(mesh, rules):
     stepper = _stepper(model, params, batch, cfg)
     if cfg.num_beams > 1:
-      return beam_search(stepper.first_logits_BxV, stepper.state, stepper.step_fn,
+      return beam_search(stepper.first_token_B, stepper.state, stepper.step_fn,
                          stepper.batch_axes, num_beams=cfg.num_beams,
-                         max_new_tokens=cfg.max_new_tokens, eos_id=cfg.eos_id,
-                         pad_id=cfg.pad_id, length_penalty=cfg.length_penalty,
-                         early_stopping=cfg.early_stopping)
-    return temperature_sample(stepper.first_logits_BxV, stepper.state, stepper.step_fn,
-                              max_new_tokens=cfg.max_new_tokens, eos_id=cfg.eos_id,
-                              pad_id=cfg.pad_id, rng=rng, temperature=cfg.temperature,
+                         max_new_tokens=cfg.max_new_tokens, eos_id=scalars["eos_id"],
+                         pad_id=cfg.pad_id, length_penalty=scalars["length_penalty"],
+                         early_stopping=scalars["early_stopping"])
+    return temperature_sample(stepper.first_token_B, stepper.state, stepper.step_fn,
+                              max_new_tokens=cfg.max_new_tokens, eos_id=scalars["eos_id"],
+                              pad_id=cfg.pad_id, rng=rng, temperature=scalars["temperature"],
                               top_k=cfg.top_k, top_p=cfg.top_p)
 
 
@@ -122,5 +126,13 @@ def generate(model, params: Any, batch: Mapping[str, Array], *, max_new_tokens: 
   if cfg.num_beams > 1 and rng is not None:
     raise ValueError("beam search does not sample: pass rng=None with num_beams > 1")
   features = {k: jnp.asarray(v) for k, v in batch.items() if k in _FEATURES}
-  return _generate(model, params, features, rng, cfg=cfg, mesh=mesh, rules=hashable_rules(rules))
+  # Traced, so that changing them does not recompile.
+  scalars = {"eos_id": jnp.asarray(-1 if cfg.eos_id is None else cfg.eos_id, jnp.int32),
+             "length_penalty": jnp.asarray(cfg.length_penalty, jnp.float32),
+             "temperature": jnp.asarray(cfg.temperature, jnp.float32),
+             "early_stopping": early_stopping_code(cfg.early_stopping)}
+  static = dataclasses.replace(cfg, eos_id=None, length_penalty=1.0, temperature=1.0,
+                               early_stopping=False)
+  return _generate(model, params, features, rng, scalars, cfg=static, mesh=mesh,
+                   rules=hashable_rules(rules))
 
