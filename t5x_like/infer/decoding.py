@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from t5x_like import parallel
 from t5x_like.infer import steppers
 from t5x_like.infer.beam import beam_search, early_stopping_code
-from t5x_like.infer.sharding import hashable_rules, traced_rules
+from t5x_like.infer.sharding import hashable_rules
 from t5x_like.infer.search import Decoded, temperature_sample
 
 Array = jax.Array
@@ -96,7 +96,7 @@ def _stepper(model, params, batch, cfg: DecodeConfig) -> steppers.Stepper:
 
 @functools.partial(jax.jit, static_argnames=("model", "cfg", "mesh", "rules"))
 def _generate(model, params, batch, rng, scalars, *, cfg: DecodeConfig, mesh, rules) -> Decoded:
-  with traced_rules(mesh, rules):
+  with parallel.traced_rules(mesh, rules):
     stepper = _stepper(model, params, batch, cfg)
     if cfg.num_beams > 1:
       return beam_search(stepper.first_token_B, stepper.state, stepper.step_fn,

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from t5x_like import parallel
-from t5x_like.infer.sharding import hashable_rules, traced_rules
+from t5x_like.infer.sharding import hashable_rules
 
 Array = jax.Array
 
@@ -43,7 +43,7 @@ def token_log_likelihood(logits_BxTxV: Array, targets_BxT: Array) -> Array:
 
 @functools.partial(jax.jit, static_argnames=("model", "mesh", "rules"))
 def _score(model, params, batch, *, mesh, rules) -> dict[str, Array]:
-  with traced_rules(mesh, rules):
+  with parallel.traced_rules(mesh, rules):
     forward = {k: v for k, v in batch.items()
                if k not in ("decoder_target_tokens", "decoder_loss_weights")}
     logits_BxTxV = model.logits(params, forward)

@@ -68,6 +68,18 @@ def mesh_rules(mesh: Mesh, rules=DEFAULT_RULES) -> Iterator[tuple]:
     yield restricted
 
 
+@contextlib.contextmanager
+def traced_rules(mesh: Optional[Mesh], rules=DEFAULT_RULES) -> Iterator[None]:
+  """mesh_rules for use while tracing under jit (where jax.set_mesh is refused): the
+  mesh as the abstract mesh and the rules restricted to it; nothing without a mesh."""
+  if mesh is None:
+    yield
+    return
+  restricted = rules_for_mesh(rules, mesh.axis_names)
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(restricted):
+    yield
+
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 

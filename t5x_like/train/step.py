@@ -13,7 +13,6 @@ along B, so each microbatch stays spread over every data shard.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Mapping, Optional
 
 import flax.linen as nn
@@ -26,15 +25,6 @@ from t5x_like import parallel
 from t5x_like.train.state import TrainState
 
 Batch = Mapping[str, jax.Array]
-
-
-@contextlib.contextmanager
-def _traced_rules(mesh: Mesh, rules):
-  """parallel.mesh_rules for use while tracing: jax.set_mesh is refused under jit, so
-  the mesh is set as the abstract mesh; the logical rules are the same restricted ones."""
-  restricted = parallel.rules_for_mesh(rules, mesh.axis_names)
-  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(restricted):
-    yield restricted
 
 
 def _batch_size(batch: Batch) -> int:
@@ -115,7 +105,7 @@ def make_train_step(model, optimizer: optax.GradientTransformation,
   grad_fn = jax.value_and_grad(model.loss_fn, has_aux=True)
 
   def train_step(state: TrainState, batch: Batch, rng: jax.Array):
-    with _traced_rules(mesh, rules):
+    with parallel.traced_rules(mesh, rules):
       normalizers = model.loss_normalizers(batch)
       step_rng = jax.random.fold_in(rng, state.step)
 
@@ -177,7 +167,7 @@ def make_eval_step(model, *, mesh: Mesh, rules=parallel.DEFAULT_RULES,
   batch_shardings = _batch_shardings(mesh, rules, batch_shardings, batch_shapes)
 
   def eval_step(params, batch: Batch):
-    with _traced_rules(mesh, rules):
+    with parallel.traced_rules(mesh, rules):
       _, metrics = model.loss_fn(params, batch, None)
       return {**metrics, **token_counts(batch)}
 
