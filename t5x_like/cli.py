@@ -32,6 +32,16 @@ def _cmd_bench_data(args) -> int:
   return 0
 
 
+def _cmd_task_books(args) -> int:
+  """Writes the book task (which book a passage is from) and the pretraining text without
+  its held-out passages (t5x_like/finetune/books.py); prints the counts as JSON."""
+  from t5x_like.finetune.books import make_book_task
+  summary = make_book_task(args.out, num_blocks=args.num_blocks,
+                           block_words=args.block_words, passage_words=args.passage_words)
+  print(json.dumps(summary, indent=1))
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="t5x-like", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
@@ -41,10 +51,26 @@ def build_parser() -> argparse.ArgumentParser:
                  " topology, without running it: t5x-like plan --config FILE[:ARG]"
                  " [--config.KEY=VALUE ...] [--topology v3-32 ...] [--json]"
                  " (see t5x_like/plan/cli.py)")
+  sub.add_parser("infer", help="generate with, score by or fill masks with a trained model,"
+                 " JSONL in and out: t5x-like infer --config FILE[:ARG] --checkpoint PATH"
+                 " --input FILE.jsonl [--output FILE.jsonl] [--mode generate|score]"
+                 " [--config.KEY=VALUE ...] (see t5x_like/infer/cli.py)")
+  sub.add_parser("finetune", help="fine-tune a pretrained (or random) backbone on a CSV /"
+                 " JSONL task: t5x-like finetune --config FILE[:ARG] --workdir DIR"
+                 " [--config.KEY=VALUE ...] (see t5x_like/finetune/main.py)")
   models = sub.add_parser("models", help=_cmd_models.__doc__)
   models.add_argument("names", nargs="*", help="presets to show (default: all)")
   models.set_defaults(fn=_cmd_models)
   vocab_cli.add_parser(sub)
+  task = sub.add_parser("task", help="build fine-tuning tasks").add_subparsers(
+      dest="which", required=True)
+  books = task.add_parser("books", help=_cmd_task_books.__doc__)
+  books.add_argument("--out", required=True, help="directory to write")
+  books.add_argument("--num_blocks", type=int, default=12,
+                     help="blocks held out of pretraining per book (even: train, odd: dev)")
+  books.add_argument("--block_words", type=int, default=500)
+  books.add_argument("--passage_words", type=int, default=32)
+  books.set_defaults(fn=_cmd_task_books)
   bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="what", required=True)
   data = bench.add_parser("data", help=_cmd_bench_data.__doc__)
   data.add_argument("--objective", required=True, choices=sorted(DEFAULT_LENGTHS))
@@ -62,9 +88,15 @@ def main(argv=None) -> int:
   if argv[:1] == ["train"]:  # absl / ml-collections flags: --config.key=value overrides
     from t5x_like.train import main as train_main
     return train_main.main(argv[1:])
+  if argv[:1] == ["finetune"]:
+    from t5x_like.finetune import main as finetune_main
+    return finetune_main.main(argv[1:])
   if argv[:1] == ["plan"]:
     from t5x_like.plan import cli as plan_cli
     return plan_cli.main(argv[1:])
+  if argv[:1] == ["infer"]:
+    from t5x_like.infer import cli as infer_cli
+    return infer_cli.main(argv[1:])
   args = build_parser().parse_args(argv)
   return args.fn(args)
 

@@ -258,3 +258,61 @@ def _jsonable(extra: dict) -> dict:
       return x.tolist()
     raise TypeError(f"Checkpointer: extra holds {type(x).__name__}, not JSON")
   return json.loads(json.dumps(dict(extra), default=default))
+
+
+# ------------------------------------------------------------------ params only
+def find_checkpoint(path, step: Optional[int] = None) -> epath.Path:
+  """The `<step>/` directory that `path` names: a train workdir (its checkpoints/),
+  a checkpoints directory (its newest committed step, or `step`), or a step directory.
+  FileNotFoundError saying what was looked for otherwise."""
+  path = epath.Path(path)
+  if (path / STATE).is_dir():
+    if step is not None and path.name != str(step):
+      raise ValueError(f"{path} is the checkpoint of step {path.name}, not step {step}")
+    return path
+  if (path / "checkpoints").is_dir():
+    path = path / "checkpoints"
+  if not path.is_dir():
+    raise FileNotFoundError(f"no checkpoint at {path}: expected a train workdir, its"
+                            " checkpoints/ directory, or one step directory")
+  steps = sorted(int(p.name) for p in path.iterdir()
+                 if p.name.isdigit() and _missing_parts(p) is None)
+  if not steps:
+    raise FileNotFoundError(f"no committed checkpoint step in {path}")
+  if step is None:
+    return path / str(steps[-1])
+  if step not in steps:
+    raise FileNotFoundError(f"no committed checkpoint step {step} in {path}; have {steps}")
+  return path / str(step)
+
+
+def restore_params(path, abstract_params: Any, step: Optional[int] = None
+                   ) -> tuple[int, Any]:
+  """(step, params) of a train checkpoint, without its optimizer state.
+
+  path: as find_checkpoint. abstract_params: pytree of jax.ShapeDtypeStruct with
+  .sharding (the params are placed so, any mesh). IncompatibleCheckpointError names
+  the params whose names or shapes differ.
+  """
+  directory = find_checkpoint(path, step)
+  target = {"params": abstract_params}
+  handler = ocp.PyTreeCheckpointHandler()
+  try:
+    saved = {leaf.name: tuple(leaf.shape) for leaf in jax.tree.leaves(
+        ocp.StandardCheckpointHandler().metadata(directory / STATE).tree)}
+    wanted = {_dotted(p): tuple(x.shape)
+              for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
+    missing = sorted(wanted.keys() - saved.keys())
+    changed = sorted(k for k in wanted.keys() & saved.keys() if wanted[k] != saved[k])
+    if missing or changed:
+      shown = [f"{k} missing" for k in missing[:5]] + [
+          f"{k} saved {saved[k]} wanted {wanted[k]}" for k in changed[:5]]
+      raise IncompatibleCheckpointError(
+          f"checkpoint {directory} does not hold the params of this model: "
+          + "; ".join(shown) + " (another preset, overrides or vocabulary?)")
+    restored = handler.restore(directory / STATE, args=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True))
+  finally:
+    handler.close()
+  return int(directory.name), restored["params"]

@@ -1,0 +1,46 @@
+"""Fine-tuning on the book task (t5x_like/finetune/books.py): which book a passage is from.
+
+  t5x-like task books --out workdir/books
+  t5x-like train --config configs/bert_cpu.py --workdir workdir/bert_books \\
+      --config.data.source='text:workdir/books/pretrain/*.txt'
+  t5x-like finetune --config configs/finetune_books.py:bert --workdir workdir/ft_bert \\
+      --config.init.checkpoint=workdir/bert_books        # pretrained
+  t5x-like finetune --config configs/finetune_books.py:bert --workdir workdir/ft_bert_random
+                                                         # the same, random initialisation
+Variants: bert (configs/bert_cpu.py, [CLS] classifier), t5 (configs/t5_cpu.py, the
+author's name as text to text, evaluated by generating it); `,smoke` for tests (the
+:smoke pretraining configs, 10 steps). task.dir is where `t5x-like task books` wrote.
+"""
+
+from t5x_like.finetune.defaults import default_finetune_config
+from t5x_like.train.defaults import parse_arg
+
+
+def get_config(arg: str = "bert"):
+  args = parse_arg(arg, family="bert", smoke=False, dir="workdir/books")
+  if args.family not in ("bert", "t5"):
+    raise ValueError(f"configs/finetune_books.py: family={args.family!r}: expected bert or t5")
+  c = default_finetune_config()
+  pretrain = {"bert": "configs/bert_cpu.py", "t5": "configs/t5_cpu.py"}[args.family]
+  c.init.config = pretrain + (":smoke" if args.smoke else "")
+  c.task.name = "classification"
+  c.task.train_file = f"{args.dir}/train.csv"
+  c.task.dev_file = f"{args.dir}/dev.csv"
+  c.task.max_length = 64  # 32-word passages; bert_cpu has 64 positions
+  c.task.target_length = 8  # an author's surname + eos (up to 5 pieces in the t5 vocab)
+  c.task.task_prefix = "book"
+  c.train.batch_size = 32
+  c.train.num_steps = 300  # ~11 epochs of the 896 training passages
+  c.train.log_every = 25
+  c.train.eval_every = 100
+  c.optimizer.name = "adamw"
+  c.optimizer.learning_rate = 1e-3 if args.family == "bert" else 1e-3
+  c.optimizer.schedule = "linear"
+  c.optimizer.warmup_steps = 30
+  c.optimizer.weight_decay = 0.01
+  if args.smoke:
+    c.train.num_steps = 10
+    c.train.batch_size = 8
+    c.train.log_every = 5
+    c.train.eval_every = 0
+  return c

@@ -1,0 +1,70 @@
+"""The fine-tuning config schema: every key, its default and its meaning.
+
+  t5x-like finetune --config configs/finetune_books.py:bert --workdir DIR \
+      --config.init.checkpoint=workdir/bert_books
+
+The backbone is named by a pretraining config (init.config: its model and vocabulary
+sections, so the architecture always matches what `t5x-like train` wrote) and
+initialised from that run's checkpoint (init.checkpoint), or at random when
+init.checkpoint is "", or from a Hugging Face checkpoint directory (init.hf: the
+architecture and tokenizer come from it, vocab.txt for BERT).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from t5x_like.train.defaults import default_config as default_train_config
+
+
+def default_finetune_config() -> ml_collections.ConfigDict:
+  pretrain = default_train_config()
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  # Where the backbone comes from.
+  c.init = ml_collections.ConfigDict()
+  c.init.config = ""  # pretraining config "file.py[:arg]" (model + vocab sections)
+  c.init.checkpoint = ""  # its train workdir / checkpoints dir / step dir; "" = random init
+  c.init.step = -1  # checkpoint step; -1 = the latest
+  c.init.hf = ""  # or: a Hugging Face checkpoint directory (instead of init.config)
+  c.init.model_overrides = ml_collections.ConfigDict()  # e.g. dropout_rate (not shapes)
+
+  # The task and its data (t5x_like.finetune.data.DataConfig fields).
+  c.task = ml_collections.ConfigDict()
+  c.task.name = "classification"  # classification | token_classification | span_extraction
+  c.task.train_file = ""  # CSV (header row) or JSONL
+  c.task.dev_file = ""
+  c.task.text_column = "text"
+  c.task.text_pair_column = ""  # "" = single texts (span extraction: the context)
+  c.task.label_column = "label"
+  c.task.answer_text_column = "answer_text"
+  c.task.answer_start_column = "answer_start"
+  c.task.labels = ()  # () = every label of the train file, sorted
+  c.task.skip_bad_rows = False  # True: skip and count bad rows instead of stopping
+  c.task.max_length = 128  # encoder / decoder input tokens
+  c.task.max_question_length = 64  # span extraction
+  c.task.target_length = 8  # text to text: label tokens + eos
+  c.task.task_prefix = "classify"  # text to text: "classify: <text>"
+  c.task.pooler = True  # BERT classification through the pooler
+  c.task.classifier_dropout = -1.0  # -1 = the model's dropout_rate
+
+  # Tokenizer: "" = the pretraining config's vocabulary (init.hf: its vocab.txt or
+  # spiece.model); else a sentencepiece .model or a WordPiece vocab.txt path.
+  c.tokenizer = ml_collections.ConfigDict()
+  c.tokenizer.vocab = ""
+  c.tokenizer.lowercase = True  # WordPiece only
+
+  c.train = ml_collections.ConfigDict()
+  c.train.batch_size = 32
+  c.train.num_steps = 300
+  c.train.microbatches = 1
+  c.train.log_every = 20
+  c.train.eval_every = 100  # dev metrics every N steps and at the end; 0 = end only
+  c.train.checkpoint_every = 0  # 0 = only the final state
+
+  c.optimizer = pretrain.optimizer
+  c.optimizer.learning_rate = 5e-5
+  c.optimizer.warmup_steps = 30
+  c.mesh = pretrain.mesh
+  return c

@@ -1,0 +1,54 @@
+"""`t5x-like finetune --config configs/<file>.py[:arg] --workdir DIR [--config.key=value ...]`.
+
+Fine-tunes the backbone named by config.init on config.task (finetune/defaults.py) and
+prints the final dev metrics. Exit status 2 on bad input (a bad data row names its
+file and line), 1 on a non-finite loss.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+
+
+def _flags(argv: list[str]) -> flags.FlagValues:
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "fine-tuning config file[:arg]",
+                                  flag_values=fv, lock_config=True, sys_argv=argv)
+  flags.DEFINE_string("workdir", None, "checkpoints, metrics and dev predictions",
+                      flag_values=fv)
+  return fv
+
+
+def main(argv: list[str]) -> int:
+  argv = ["t5x-like finetune", *argv]
+  fv = _flags(argv)
+  try:
+    fv(argv)
+  except flags.Error as e:
+    print(f"t5x-like finetune: {e}", file=sys.stderr)
+    return 2
+  if fv.config is None or not fv.workdir:
+    print("t5x-like finetune: --config and --workdir are required", file=sys.stderr)
+    return 2
+  from t5x_like.finetune.backbone import BackboneError
+  from t5x_like.finetune.data import DataError
+  from t5x_like.finetune.loop import FinetuneConfigError, finetune
+  from t5x_like.hf.io import CheckpointError
+  from t5x_like.train.checkpoints import IncompatibleCheckpointError
+  from t5x_like.train.loop import NonFiniteLossError
+  try:
+    final = finetune(fv.config, fv.workdir)
+  except (DataError, FinetuneConfigError, BackboneError, FileNotFoundError,
+          IncompatibleCheckpointError, CheckpointError) as e:
+    # A DataError reads "path:line: problem".
+    print(f"t5x-like finetune: {e}", file=sys.stderr)
+    return 2
+  except NonFiniteLossError as e:
+    print(f"t5x-like finetune: {e}", file=sys.stderr)
+    return 1
+  print("final dev metrics: " + json.dumps(final), flush=True)
+  return 0

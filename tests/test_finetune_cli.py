@@ -1,0 +1,195 @@
+"""`t5x-like task books` and `t5x-like finetune` end to end: the held-out task, starting
+from our checkpoint / at random / from a Hugging Face checkpoint, exact resume, text
+to text evaluated by generation, and bad input reported with its line."""
+
+import csv
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+from t5x_like import cli, corpus
+from t5x_like.finetune import books
+from t5x_like.finetune.loop import epoch_rows
+from t5x_like.train.checkpoints import find_checkpoint
+from t5x_like.train.metrics import read_jsonl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "finetune_books.py")
+BERT_CPU = os.path.join(ROOT, "configs", "bert_cpu.py")
+
+
+def _read_csv(path):
+  with open(path, encoding="utf-8", newline="") as f:
+    return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("books"))
+  assert cli.main(["task", "books", "--out", out, "--num_blocks", "4", "--block_words", "100",
+                   "--passage_words", "16"]) == 0
+  return out
+
+
+@pytest.fixture(scope="module")
+def bert_workdir(tmp_path_factory, task_dir):
+  """A 6-step bert_cpu:smoke pretraining on the task's pretraining text."""
+  workdir = str(tmp_path_factory.mktemp("bert_pre"))
+  assert cli.main(["train", f"--config={BERT_CPU}:smoke", f"--workdir={workdir}",
+                   f"--config.data.source=text:{task_dir}/pretrain/*.txt",
+                   "--config.train.num_steps=6", "--config.train.checkpoint_every=6",
+                   "--config.train.eval_every=0"]) == 0
+  return workdir
+
+
+def _finetune(workdir, task_dir, *overrides, variant="bert,smoke"):
+  return cli.main(["finetune", f"--config={CONFIG}:{variant},dir={task_dir}",
+                   f"--workdir={workdir}", f"--config.init.config={BERT_CPU}:smoke"
+                   if variant.startswith("bert") else
+                   f"--config.init.config={os.path.join(ROOT, 'configs', 't5_cpu.py')}:smoke",
+                   *overrides])
+
+
+def _saved_params(path):
+  """{dotted name: array} of a checkpoint's params, read with orbax directly."""
+  import orbax.checkpoint as ocp
+  handler = ocp.PyTreeCheckpointHandler()
+  tree = handler.restore(find_checkpoint(path) / "state")
+  handler.close()
+  from flax.traverse_util import flatten_dict
+  return {"/".join(k): np.asarray(v) for k, v in flatten_dict(tree["params"]).items()}
+
+
+# ------------------------------------------------------------------ the book task
+def test_book_task_is_balanced_and_held_out_of_pretraining(task_dir):
+  train, dev = _read_csv(f"{task_dir}/train.csv"), _read_csv(f"{task_dir}/dev.csv")
+  labels = sorted({books.author(b) for b in corpus.book_names()})
+  for rows in (train, dev):
+    counts = {label: sum(r["label"] == label for r in rows) for label in labels}
+    assert len(set(counts.values())) == 1 and min(counts.values()) > 0, counts
+  squash = lambda text: " ".join(text.split())
+  for book in corpus.book_names():
+    whole = squash(corpus.read_book(book))
+    with open(f"{task_dir}/pretrain/{book}.txt", encoding="utf-8") as f:
+      pretrain = squash(f.read())
+    assert 400 <= len(whole.split()) - len(pretrain.split()) < 500  # 4 blocks of ~100 words
+    for row in train + dev:
+      if row["label"] == books.author(book):
+        assert len(row["text"].split()) == 16
+        assert row["text"] in whole and row["text"] not in pretrain
+  assert not {r["text"] for r in train} & {r["text"] for r in dev}
+
+
+def test_epoch_rows_cover_every_example_once_per_epoch():
+  rows = np.concatenate([epoch_rows(s, 4, 10, seed=3) for s in range(5)])  # 2 epochs
+  assert sorted(rows[:10]) == list(range(10)) and sorted(rows[10:]) == list(range(10))
+  assert not np.array_equal(rows[:10], rows[10:])  # a new order each epoch
+  np.testing.assert_array_equal(epoch_rows(3, 4, 10, seed=3), rows[12:16])  # pure
+  assert not np.array_equal(epoch_rows(0, 10, 10, seed=4), rows[:10])
+
+
+# ------------------------------------------------------------------ initialisation
+def test_finetune_starts_from_the_pretrained_checkpoint(tmp_path, task_dir,
+                                                                     bert_workdir, capsys):
+  # Learning rate 0: the saved backbone is the one the run started from.
+  frozen = ("--config.train.num_steps=2", "--config.optimizer.learning_rate=0.0",
+            "--config.optimizer.warmup_steps=0")
+  assert _finetune(str(tmp_path / "pre"), task_dir, *frozen,
+                   f"--config.init.checkpoint={bert_workdir}") == 0
+  assert "checkpoint step 6" in capsys.readouterr().out
+  pretrained = _saved_params(bert_workdir)
+  tuned = _saved_params(str(tmp_path / "pre"))
+  backbone = [k for k in tuned if k.startswith("backbone/")]
+  assert len(backbone) > 10
+  for key in backbone:
+    np.testing.assert_array_equal(tuned[key], pretrained[key[len("backbone/"):]], err_msg=key)
+  np.testing.assert_array_equal(tuned["head/pooler/kernel"], pretrained["pooler/kernel"])
+  final = json.load(open(tmp_path / "pre" / "final_metrics.json"))
+  predictions = [json.loads(line) for line in open(tmp_path / "pre" / "dev_predictions.jsonl")]
+  dev = _read_csv(f"{task_dir}/dev.csv")
+  assert [p["line"] for p in predictions] == list(range(2, len(dev) + 2))
+  assert [p["label"] for p in predictions] == [r["label"] for r in dev]
+  assert final["accuracy"] == pytest.approx(
+      np.mean([p["prediction"] == p["label"] for p in predictions]))
+
+
+def test_finetune_from_random_init_resumes_to_the_same_numbers(tmp_path, task_dir, capsys):
+  args = ("--config.train.num_steps=6", "--config.train.log_every=1",
+          "--config.train.checkpoint_every=3")
+  assert _finetune(str(tmp_path / "whole"), task_dir, *args) == 0
+  assert "backbone: random initialisation of" in capsys.readouterr().out
+  import shutil
+  shutil.copytree(tmp_path / "whole", tmp_path / "cut")
+  shutil.rmtree(tmp_path / "cut" / "checkpoints" / "6")  # "killed" after step 3's save
+  assert _finetune(str(tmp_path / "cut"), task_dir, *args) == 0
+  whole = [r for r in read_jsonl(str(tmp_path / "whole" / "metrics.jsonl")) if "loss" in r]
+  cut = [r for r in read_jsonl(str(tmp_path / "cut" / "metrics.jsonl")) if "loss" in r]
+  assert [r["step"] for r in cut] == list(range(1, 7))
+  assert [r["loss"] for r in cut] == [r["loss"] for r in whole]
+  a, b = _saved_params(str(tmp_path / "whole")), _saved_params(str(tmp_path / "cut"))
+  for key in a:
+    np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_finetune_from_a_hugging_face_bert_with_its_vocab_txt(tmp_path, task_dir, capsys):
+  import torch
+  import transformers
+  words = sorted({w.lower() for r in _read_csv(f"{task_dir}/train.csv")
+                  for w in re.findall(r"\w+", r["text"])})
+  vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words
+  hf_dir = tmp_path / "hf_bert"
+  torch.manual_seed(0)
+  model = transformers.BertForPreTraining(transformers.BertConfig(
+      vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+      intermediate_size=64, max_position_embeddings=64))
+  model.save_pretrained(str(hf_dir))
+  (hf_dir / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+  assert cli.main(["finetune", f"--config={CONFIG}:bert,smoke,dir={task_dir}",
+                   f"--workdir={tmp_path / 'ft'}", "--config.init.config=",
+                   f"--config.init.hf={hf_dir}", "--config.train.num_steps=2",
+                   "--config.optimizer.learning_rate=0.0",
+                   "--config.optimizer.warmup_steps=0"]) == 0
+  assert f"Hugging Face checkpoint {hf_dir}" in capsys.readouterr().out
+  tuned = _saved_params(str(tmp_path / "ft"))
+  torch_weights = dict(model.state_dict())
+  np.testing.assert_array_equal(tuned["backbone/token_embed/embedding"],
+                                torch_weights["bert.embeddings.word_embeddings.weight"].numpy())
+  np.testing.assert_array_equal(tuned["head/pooler/kernel"],
+                                torch_weights["bert.pooler.dense.weight"].numpy().T)
+
+
+# ------------------------------------------------------------------ text to text
+def test_t5_text_to_text_by_generation_and_by_rank(tmp_path, task_dir):
+  assert _finetune(str(tmp_path), task_dir, "--config.train.num_steps=3",
+                   variant="t5,smoke") == 0
+  final = json.load(open(tmp_path / "final_metrics.json"))
+  predictions = [json.loads(line) for line in open(tmp_path / "dev_predictions.jsonl")]
+  labels = {r["label"] for r in _read_csv(f"{task_dir}/train.csv")}
+  assert all(p["prediction"] is None or p["prediction"] in labels for p in predictions)
+  assert all(p["ranked"] in labels for p in predictions)  # ranking always names a label
+  for prefix, key in (("", "prediction"), ("rank_", "ranked")):
+    assert final[f"{prefix}accuracy"] == pytest.approx(
+        np.mean([p[key] == p["label"] for p in predictions]))
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("file_name, content, expected", [
+    ("train.csv", 'text,label\n"a passage",austen\n"another",\n', "train.csv:3:"),
+    ("train.csv", 'text,label\n"a passage",austen\n"x","twain"\n"no label column"\n',
+     "train.csv:4:"),
+    ("dev.jsonl", '{"text": "a", "label": "austen"}\n\n{"text": "b", "label": "tolstoy"}\n',
+     "dev.jsonl:3:"),
+    ("dev.jsonl", '{"text": "a", "label": "austen"}\n{"label": "twain"}\n', "dev.jsonl:2:"),
+])
+def test_bad_rows_are_reported_with_their_line(tmp_path, task_dir, capsys, file_name,
+                                               content, expected):
+  bad = tmp_path / file_name
+  bad.write_text(content, encoding="utf-8")
+  which = "train_file" if file_name.startswith("train") else "dev_file"
+  assert _finetune(str(tmp_path / "ft"), task_dir, f"--config.task.{which}={bad}") == 2
+  err = capsys.readouterr().err
+  assert f"{bad}:{expected.split(':')[1]}:" in err, err
+  assert not (tmp_path / "ft" / "checkpoints").exists()  # stopped before any training
