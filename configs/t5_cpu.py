@@ -12,6 +12,7 @@ def get_config(arg: str = ""):
   c.model.preset = "t5-v1_1-small"
   c.model.overrides = dict(d_model=128, d_ff=256, num_layers=2, num_decoder_layers=2,
                            num_heads=2, head_dim=64)
+  c.model.dtype = "bfloat16"  # bf16 matmuls with float32 accumulation; params float32
   c.data.objective = "span_corruption"
   c.data.length = 128  # inputs; targets 29 (SPECS.md 1)
   c.train.batch_size = 32
@@ -27,6 +28,7 @@ def get_config(arg: str = ""):
   if arg == "smoke":
     c.model.overrides = dict(d_model=64, d_ff=128, num_layers=1, num_decoder_layers=1,
                              num_heads=2, head_dim=32)
+    c.model.dtype = "float32"  # bit-exact resume tests run in float32
     smoke_schedule(c)
   elif arg:
     raise ValueError(f"configs/t5_cpu.py: unknown variant {arg!r} (expected '' or 'smoke')")

@@ -24,6 +24,8 @@ VARIANTS = {
     "gpt_cpu": [("", 8), ("smoke", 8)],
     "t5_cpu": [("", 8), ("smoke", 8)],
 }
+# Fine-tuning configs (t5x-like finetune): their variants.
+FINETUNE_VARIANTS = {"finetune_books": ["bert", "t5", "bert,smoke", "t5,smoke"]}
 
 
 def load(name: str, arg: str = ""):
@@ -35,7 +37,20 @@ def load(name: str, arg: str = ""):
 
 def test_every_config_file_is_covered():
   files = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIGS, "*.py"))}
-  assert files == set(VARIANTS)
+  assert files == set(VARIANTS) | set(FINETUNE_VARIANTS)
+
+
+@pytest.mark.parametrize("name, arg", [(n, a) for n, vs in FINETUNE_VARIANTS.items()
+                                       for a in vs])
+def test_finetune_config_names_a_valid_pretraining_config(name, arg, monkeypatch):
+  from t5x_like.finetune.defaults import default_finetune_config
+  from t5x_like.train.defaults import load_config_file
+  config = load(name, arg)
+  assert set(config.to_dict()) == set(default_finetune_config().to_dict())
+  monkeypatch.chdir(ROOT)  # init.config is relative to the repository root
+  pretrain = load_config_file(config.init.config)
+  validate(pretrain, 8, vocab_size=loop.config_vocab(pretrain).vocab_size)
+  assert config.task.max_length <= pretrain.model.overrides.get("max_position_embeddings", 512)
 
 
 @pytest.mark.parametrize("name, arg, devices",

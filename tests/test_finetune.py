@@ -320,6 +320,19 @@ def test_bert_classifier_equals_bert_for_sequence_classification(tmp_path):
   assert ours.shape == (3, 3)
   np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-5)
 
+  # pooling="mean": the pooler and classifier read the mean of the real tokens' states.
+  mean_model = FinetuneModel(backbone.config, "classification", num_labels=3, pooling="mean")
+  with torch.no_grad():
+    mask = torch.tensor(tokens != 0, dtype=torch.float32)
+    hidden = reference.bert(input_ids=torch.tensor(tokens), token_type_ids=torch.tensor(types),
+                            attention_mask=mask).last_hidden_state
+    mean = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+    ref_mean = reference.classifier(torch.tanh(reference.bert.pooler.dense(mean))).numpy()
+  ours_mean = jax.jit(mean_model.logits)(params, {"encoder_input_tokens": jnp.asarray(tokens),
+                                                  "encoder_type_ids": jnp.asarray(types)})
+  np.testing.assert_allclose(np.asarray(ours_mean), ref_mean, atol=1e-5)
+  assert np.abs(ref_mean - ref).max() > 1e-3  # it is not the [CLS] reading
+
 
 def test_gpt_head_reads_the_last_real_token():
   model = FinetuneModel(gpt2(1, 32, vocab_size=50, num_heads=2, d_ff=64,

@@ -47,6 +47,7 @@ def default_finetune_config() -> ml_collections.ConfigDict:
   c.task.target_length = 8  # text to text: label tokens + eos
   c.task.task_prefix = "classify"  # text to text: "classify: <text>"
   c.task.pooler = True  # BERT classification through the pooler
+  c.task.pooling = "cls"  # classification reads [CLS] (GPT: the last token) | mean
   c.task.classifier_dropout = -1.0  # -1 = the model's dropout_rate
 
   # Tokenizer: "" = the pretraining config's vocabulary (init.hf: its vocab.txt or

@@ -32,8 +32,12 @@ def last_token_index(segment_ids_BxT: Array) -> Array:
   return jnp.maximum(jnp.sum(segment_ids_BxT > 0, axis=1) - 1, 0).astype(jnp.int32)
 
 
+POOLINGS = ("cls", "mean")
+
+
 class ClassificationHead(nn.Module):
-  """[B, L, D] -> [B, C] logits from position `index_B` (default 0, [CLS]).
+  """[B, L, D] -> [B, C] logits from position `index_B` (default 0, [CLS]), or with
+  pooling="mean" from the mean over the real tokens (valid_BxL).
 
   pooler: BERT's pooler first (dense D -> D named 'pooler', tanh), as
   BertForSequenceClassification; then dropout and a dense D -> C named 'classifier'.
@@ -41,14 +45,23 @@ class ClassificationHead(nn.Module):
 
   num_labels: int
   pooler: bool = True
+  pooling: str = "cls"
   dropout_rate: float = 0.1
   init_std: float = 0.02
   dtype: jnp.dtype = jnp.float32
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, hidden_BxLxD: Array, index_B: Optional[Array] = None) -> Array:
-    if index_B is None:
+  def __call__(self, hidden_BxLxD: Array, index_B: Optional[Array] = None,
+               valid_BxL: Optional[Array] = None) -> Array:
+    if self.pooling not in POOLINGS:
+      raise ValueError(f"pooling={self.pooling!r}: expected one of {POOLINGS}")
+    if self.pooling == "mean":
+      weights_BxL = valid_BxL.astype(jnp.float32)
+      x_BxD = (jnp.einsum("bld,bl->bd", hidden_BxLxD.astype(jnp.float32), weights_BxL)
+               / jnp.maximum(jnp.sum(weights_BxL, axis=1, keepdims=True), 1.0)
+               ).astype(hidden_BxLxD.dtype)
+    elif index_B is None:
       x_BxD = hidden_BxLxD[:, 0]
     else:
       x_BxD = jnp.take_along_axis(hidden_BxLxD, index_B[:, None, None].astype(jnp.int32),

@@ -104,7 +104,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   model = FinetuneModel(
       backbone.model_config, task.name, num_labels=len(train_set.labels),
       label_targets=targets,
-      pooler=task.pooler,
+      pooler=task.pooler, pooling=task.pooling,
       classifier_dropout=None if task.classifier_dropout < 0 else task.classifier_dropout)
   mesh = parallel.mesh_from_config(config.mesh)
   rules = tuple(config.mesh.rules) or parallel.DEFAULT_RULES

@@ -56,6 +56,7 @@ class FinetuneModule(nn.Module):
   task: str
   num_labels: int = 0
   pooler: bool = True
+  pooling: str = "cls"
   classifier_dropout: float = 0.1
   deterministic: bool = True
 
@@ -73,8 +74,8 @@ class FinetuneModule(nn.Module):
     if self.text_to_text:
       self.head = None
     elif self.task == "classification":
-      self.head = heads.ClassificationHead(self.num_labels, pooler=self.pooler, **head_kw,
-                                           **drop_kw)
+      self.head = heads.ClassificationHead(self.num_labels, pooler=self.pooler,
+                                           pooling=self.pooling, **head_kw, **drop_kw)
     elif self.task == "token_classification":
       self.head = heads.TokenClassificationHead(self.num_labels, **head_kw, **drop_kw)
     else:
@@ -101,7 +102,7 @@ class FinetuneModule(nn.Module):
     hidden_BxLxD, valid_BxL = self._hidden_and_valid(batch)
     if self.task == "classification":
       index_B = None if self.config.family == "encoder" else heads.last_token_index(valid_BxL)
-      return self.head(hidden_BxLxD, index_B)
+      return self.head(hidden_BxLxD, index_B, valid_BxL)
     if self.task == "token_classification":
       return self.head(hidden_BxLxD)
     start_BxL, end_BxL = self.head(hidden_BxLxD, valid_BxL)
@@ -130,7 +131,8 @@ class FinetuneModel(Model):
   config: the backbone's ModelConfig (a pretrained model's config works: its unused
   pretraining heads are dropped). num_labels: classes (tags). label_targets: [C, T]
   label strings (text-to-text classification). pooler: BERT classification through the
-  pooler (default True, as BertForSequenceClassification). classifier_dropout:
+  pooler (default True, as BertForSequenceClassification). pooling: "cls" (the [CLS] /
+  last token) or "mean" (the mean of the real tokens' final hidden states). classifier_dropout:
   default config.dropout_rate. max_answer_tokens: longest span predict() returns.
   """
 
@@ -138,7 +140,7 @@ class FinetuneModel(Model):
 
   def __init__(self, config: ModelConfig, task: str, *, num_labels: int = 0,
                label_targets: Optional[np.ndarray] = None, pooler: bool = True,
-               classifier_dropout: Optional[float] = None, max_answer_tokens: int = 30):
+               pooling: str = "cls", classifier_dropout: Optional[float] = None, max_answer_tokens: int = 30):
     if task not in TASKS:
       raise ValueError(f"task={task!r}: expected one of {TASKS}")
     if config.family == "encoder_decoder" and task != "classification":
@@ -157,6 +159,9 @@ class FinetuneModel(Model):
     self.num_labels = int(num_labels)
     self.label_targets = label_targets
     self.pooler = bool(pooler) and config.family == "encoder"
+    if pooling not in heads.POOLINGS:
+      raise ValueError(f"pooling={pooling!r}: expected one of {heads.POOLINGS}")
+    self.pooling = pooling
     self.classifier_dropout = (config.dropout_rate if classifier_dropout is None
                                else float(classifier_dropout))
     self.max_answer_tokens = max_answer_tokens
@@ -165,7 +170,8 @@ class FinetuneModel(Model):
 
   def module(self, *, deterministic: bool = True, **kw) -> nn.Module:
     return FinetuneModule(self.config, self.task, num_labels=self.num_labels,
-                          pooler=self.pooler, classifier_dropout=self.classifier_dropout,
+                          pooler=self.pooler, pooling=self.pooling,
+                          classifier_dropout=self.classifier_dropout,
                           deterministic=deterministic, **kw)
 
   def example_batch_shapes(self, batch: int = 2, length: int = 8) -> dict[str, tuple]:
