@@ -74,7 +74,10 @@ def test_book_task_is_balanced_and_held_out_of_pretraining(task_dir):
   for book in corpus.book_names():
     whole = squash(corpus.read_book(book))
     with open(f"{task_dir}/pretrain/{book}.txt", encoding="utf-8") as f:
-      pretrain = squash(f.read())
+      raw = f.read()
+    pretrain = squash(raw)
+    paragraphs = raw.strip().split("\n\n")
+    assert len(paragraphs) > 20 and all("\n" not in p for p in paragraphs)  # unwrapped
     assert 400 <= len(whole.split()) - len(pretrain.split()) < 500  # 4 blocks of ~100 words
     for row in train + dev:
       if row["label"] == books.author(book):

@@ -1,7 +1,8 @@
 """The book task: which embedded book a passage comes from, on text held out of pretraining.
 
   make_book_task("workdir/books")  ->  workdir/books/
-      pretrain/<book>.txt   each book without its held-out blocks: pretrain on these
+      pretrain/<book>.txt   each book without its held-out blocks, one line per
+                            paragraph (unwrap): pretrain on these
                             (`--config.data.source='text:workdir/books/pretrain/*.txt'`)
       train.csv, dev.csv    passages of `passage_words` words from the held-out blocks
                             (spread over the book), columns text,label (label = the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 from typing import Optional, Sequence
 
 from t5x_like import corpus
@@ -55,6 +57,17 @@ def split_book(text: str, num_blocks: int, block_words: int) -> tuple[str, list[
   return pretrain, blocks
 
 
+def unwrap(text: str) -> str:
+  """Hard-wrapped lines joined: one line per paragraph, paragraphs split by a blank line.
+
+  The books are wrapped at ~70 characters; their line breaks are layout, and the
+  shipped vocabularies keep "\n" as a token, so wrapped pretraining text would teach
+  line breaks that task passages (words joined by spaces) never contain.
+  """
+  paragraphs = re.split(r"\n[ \t]*\n", text)
+  return "\n\n".join(" ".join(p.split()) for p in paragraphs if p.strip()) + "\n"
+
+
 def passages(words: Sequence[str], passage_words: int) -> list[str]:
   """Consecutive non-overlapping passages of exactly `passage_words` words."""
   return [" ".join(words[i:i + passage_words])
@@ -85,7 +98,7 @@ def make_book_task(out_dir: str, *, num_blocks: int = 12, block_words: int = 500
   for book in books:
     pretrain, blocks = split_book(corpus.read_book(book), num_blocks, block_words)
     with open(os.path.join(out_dir, "pretrain", f"{book}.txt"), "w", encoding="utf-8") as f:
-      f.write(pretrain)
+      f.write(unwrap(pretrain))
     label, counts = author(book), {"train": 0, "dev": 0}
     # The same number of passages from every block keeps the classes balanced.
     per_block = min(len(block) for block in blocks) // passage_words
