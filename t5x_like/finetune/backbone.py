@@ -49,8 +49,9 @@ def _hf_tokenizer(config, path: str, family: str) -> Tokenizer:
       with open(tok_config, encoding="utf-8") as f:
         lowercase = bool(json.load(f).get("do_lower_case", lowercase))
     return as_tokenizer(vocab_txt, lowercase=lowercase)
-  raise BackboneError(f"config.init.hf={path!r}: no tokenizer found (a BERT checkpoint's vocab.txt);"
-                   " set config.tokenizer.vocab to a vocab.txt or sentencepiece .model")
+  raise BackboneError(f"config.init.hf={path!r}: no tokenizer found (a BERT checkpoint's"
+                      " vocab.txt); set config.tokenizer.vocab to a vocab.txt or"
+                      " sentencepiece .model")
 
 
 def load_backbone(config) -> Backbone:

@@ -67,11 +67,11 @@ def _check_config(config) -> None:
     if not os.path.isfile(task[key]):
       raise FileNotFoundError(f"config.task.{key}={task[key]!r} does not exist")
   if tc.num_steps < 1 or tc.batch_size < 1:
-    raise FinetuneConfigError(f"config.train.num_steps={tc.num_steps} and batch_size={tc.batch_size}"
-                     " must be >= 1")
+    raise FinetuneConfigError(f"config.train.num_steps={tc.num_steps} and"
+                              f" batch_size={tc.batch_size} must be >= 1")
   if jax.process_count() > 1:
-    raise FinetuneConfigError("t5x-like finetune runs in one process (multi-host fine-tuning is not"
-                     " built yet); use the devices of one host")
+    raise FinetuneConfigError("t5x-like finetune runs in one process (multi-host"
+                              " fine-tuning is not built yet); use one host's devices")
 
 
 # ============================================================================ finetune

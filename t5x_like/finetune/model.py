@@ -140,7 +140,8 @@ class FinetuneModel(Model):
 
   def __init__(self, config: ModelConfig, task: str, *, num_labels: int = 0,
                label_targets: Optional[np.ndarray] = None, pooler: bool = True,
-               pooling: str = "cls", classifier_dropout: Optional[float] = None, max_answer_tokens: int = 30):
+               pooling: str = "cls", classifier_dropout: Optional[float] = None,
+               max_answer_tokens: int = 30):
     if task not in TASKS:
       raise ValueError(f"task={task!r}: expected one of {TASKS}")
     if config.family == "encoder_decoder" and task != "classification":
