@@ -2,14 +2,16 @@
 
   t5x-like task books --out workdir/books
   t5x-like train --config configs/bert_cpu.py --workdir workdir/bert_books \\
-      --config.data.source='text:workdir/books/pretrain/*.txt'
+      --config.data.source='text:workdir/books/pretrain/*.txt' --config.train.num_steps=6000
   t5x-like finetune --config configs/finetune_books.py:bert --workdir workdir/ft_bert \\
       --config.init.checkpoint=workdir/bert_books        # pretrained
   t5x-like finetune --config configs/finetune_books.py:bert --workdir workdir/ft_bert_random
                                                          # the same, random initialisation
 Variants: bert (configs/bert_cpu.py, [CLS] classifier), t5 (configs/t5_cpu.py, the
 author's name as text to text, evaluated by generating it); `,smoke` for tests (the
-:smoke pretraining configs, 10 steps). task.dir is where `t5x-like task books` wrote.
+:smoke pretraining configs, 10 steps); `dir=PATH`: where `t5x-like task books` wrote.
+Measured (README): 6,000 pretraining steps, then 0.688 dev accuracy against 0.511 from
+random initialisation.
 """
 
 from t5x_like.finetune.defaults import default_finetune_config
@@ -34,7 +36,7 @@ def get_config(arg: str = "bert"):
   c.train.log_every = 25
   c.train.eval_every = 100
   c.optimizer.name = "adamw"
-  c.optimizer.learning_rate = 1e-3 if args.family == "bert" else 1e-3
+  c.optimizer.learning_rate = 1e-3
   c.optimizer.schedule = "linear"
   c.optimizer.warmup_steps = 30
   c.optimizer.weight_decay = 0.01
