@@ -274,6 +274,11 @@ def test_gpt2_generation_equals_transformers(gpt2, padded, settings):
                                 **settings)[:, left.shape[1]:]
   if settings["num_beams"] == 1:  # the seeds leave no near-ties for float error to flip
     assert _greedy_margin(reference, left, mask) > 1e-3
+  _assert_equals_hf_with_and_without_eos(model, params, batch, hf, settings)
+
+
+def _assert_equals_hf_with_and_without_eos(model, params, batch, hf, settings):
+  """Ours == hf(eos) without an eos, then with an eos id that HF's free run produces."""
   hf_free = hf(NO_EOS)
   ours_free = model.predict(params, batch, max_new_tokens=N_NEW, eos_id=None, **settings)
   _assert_same_generation(ours_free, hf_free, None)
@@ -296,13 +301,7 @@ def test_t5_generation_equals_transformers(t5, padded, settings):
                                 **settings)[:, 1:]
   if settings["num_beams"] == 1:
     assert _greedy_margin(reference, encoder_tokens, mask) > 1e-3
-  hf_free = hf(NO_EOS)
-  ours_free = model.predict(params, batch, max_new_tokens=N_NEW, eos_id=None, **settings)
-  _assert_same_generation(ours_free, hf_free, None)
-
-  eos, hf_eos = _pick_eos(hf_free, hf)
-  ours_eos = model.predict(params, batch, max_new_tokens=N_NEW, eos_id=eos, **settings)
-  _assert_same_generation(ours_eos, hf_eos, eos)
+  _assert_equals_hf_with_and_without_eos(model, params, batch, hf, settings)
 
 
 # ------------------------------------------------------------------------- sampling

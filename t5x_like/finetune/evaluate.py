@@ -57,7 +57,7 @@ class Predictor:
     self._predict = jax.jit(predict)
 
   def _generate_labels(self, params, batch) -> np.ndarray:
-    decoded = infer.generate(self.model._seq2seq, params["backbone"],
+    decoded = infer.generate(self.model.seq2seq, params["backbone"],
                              {"encoder_input_tokens": batch["encoder_input_tokens"]},
                              max_new_tokens=self.target_length, mesh=self.mesh,
                              rules=self.rules, eos_id=self.tokenizer.eos_id, pad_id=0)

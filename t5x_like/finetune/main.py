@@ -13,6 +13,8 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
+from t5x_like.command_flags import parse_flags
+
 
 def _flags(argv: list[str]) -> flags.FlagValues:
   fv = flags.FlagValues()
@@ -24,15 +26,8 @@ def _flags(argv: list[str]) -> flags.FlagValues:
 
 
 def main(argv: list[str]) -> int:
-  argv = ["t5x-like finetune", *argv]
-  fv = _flags(argv)
-  try:
-    fv(argv)
-  except flags.Error as e:
-    print(f"t5x-like finetune: {e}", file=sys.stderr)
-    return 2
-  if fv.config is None or not fv.workdir:
-    print("t5x-like finetune: --config and --workdir are required", file=sys.stderr)
+  fv = parse_flags("finetune", argv, _flags, required=("config", "workdir"))
+  if fv is None:
     return 2
   from t5x_like.finetune.backbone import BackboneError
   from t5x_like.finetune.data import DataError

@@ -167,7 +167,7 @@ class FinetuneModel(Model):
                                else float(classifier_dropout))
     self.max_answer_tokens = max_answer_tokens
     self.text_to_text = config.family == "encoder_decoder"
-    self._seq2seq = EncoderDecoderModel(self.config) if self.text_to_text else None
+    self.seq2seq = EncoderDecoderModel(self.config) if self.text_to_text else None
 
   def module(self, *, deterministic: bool = True, **kw) -> nn.Module:
     return FinetuneModule(self.config, self.task, num_labels=self.num_labels,
@@ -211,7 +211,7 @@ class FinetuneModel(Model):
   def loss_normalizers(self, batch) -> dict[str, Array]:
     """Denominators over the full batch (labels given; start positions given)."""
     if self.text_to_text:
-      return self._seq2seq.loss_normalizers(batch)
+      return self.seq2seq.loss_normalizers(batch)
     if self.task == "span_extraction":
       return {"span": heads.label_normalizer(batch["start_positions"])}
     return {"labels": heads.label_normalizer(batch["labels"])}
@@ -222,7 +222,7 @@ class FinetuneModel(Model):
     text to text: the EncoderDecoder token loss on decoder targets."""
     normalizers = normalizers or self.loss_normalizers(batch)
     if self.text_to_text:
-      return self._seq2seq.loss_fn(params["backbone"], batch, dropout_rng, normalizers)
+      return self.seq2seq.loss_fn(params["backbone"], batch, dropout_rng, normalizers)
     out = self.apply(params, batch, dropout_rng=dropout_rng)
     cfg = self.config
     if self.task == "span_extraction":

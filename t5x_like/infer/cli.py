@@ -40,6 +40,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from t5x_like import infer, parallel
+from t5x_like.command_flags import parse_flags
 from t5x_like.infer import requests
 from t5x_like.infer.sharding import hashable_rules
 from t5x_like.train.checkpoints import IncompatibleCheckpointError
@@ -182,18 +183,13 @@ def _check_settings(fv, family: str, cap: int) -> str | None:
 
 def _parse(argv: list[str]):
   """(flag values, None) or (None, exit status) after printing why."""
-  argv = ["t5x-like infer", *argv]
-  fv = _flags(argv)
   if {"-h", "--help"} & set(argv):
+    fv = _flags(["t5x-like infer", *argv])
     print(__doc__ + "\nflags:\n" + fv.module_help(sys.modules[__name__]))
     return None, 0
-  try:
-    fv(argv)
-  except (flags.Error, ValueError) as e:
-    return None, _fail(str(e))
-  missing = [f"--{n}" for n in ("config", "checkpoint", "input") if fv[n].value is None]
-  if missing:
-    return None, _fail(f"{', '.join(missing)} required")
+  fv = parse_flags("infer", argv, _flags, required=("config", "checkpoint", "input"))
+  if fv is None:
+    return None, 2
   if fv.output != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(fv.output))):
     return None, _fail(f"--output {fv.output}: its directory does not exist")
   return fv, None

@@ -12,6 +12,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
+from t5x_like.command_flags import parse_flags
 from t5x_like.plan.report import COMPILE_CHOICES
 
 
@@ -43,15 +44,8 @@ def _config_source(argv: list[str]) -> str:
 
 
 def main(argv: list[str]) -> int:
-  argv = ["t5x-like plan", *argv]
-  fv = _flags(argv)
-  try:
-    fv(argv)
-  except flags.Error as e:
-    print(f"t5x-like plan: {e}", file=sys.stderr)
-    return 2
-  if fv.config is None:
-    print("t5x-like plan: --config is required", file=sys.stderr)
+  fv = parse_flags("plan", argv, _flags)
+  if fv is None:
     return 2
   from t5x_like.plan.report import make_plan
   from t5x_like.plan.text import format_plan

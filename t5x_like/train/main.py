@@ -15,6 +15,8 @@ import threading
 from absl import flags
 from ml_collections import config_flags
 
+from t5x_like.command_flags import parse_flags
+
 
 def _flags(argv: list[str]) -> flags.FlagValues:
   """argv: the full command line; ml-collections reads --config.key=value overrides from
@@ -86,15 +88,8 @@ def initialize_distributed(fv: flags.FlagValues) -> None:
 
 
 def main(argv: list[str]) -> int:
-  argv = ["t5x-like train", *argv]
-  fv = _flags(argv)
-  try:
-    fv(argv)
-  except flags.Error as e:
-    print(f"t5x-like train: {e}", file=sys.stderr)
-    return 2
-  if fv.config is None or not fv.workdir:
-    print("t5x-like train: --config and --workdir are required", file=sys.stderr)
+  fv = parse_flags("train", argv, _flags, required=("config", "workdir"))
+  if fv is None:
     return 2
   initialize_distributed(fv)
   from t5x_like.train.loop import NonFiniteLossError, train
