@@ -34,6 +34,9 @@ def get_config(arg: str = "base"):
                            dropout_rate=0.1, attention_dropout_rate=0.1)
   c.model.dtype = "bfloat16"
   c.model.scan_layers = True
+  # Save only matmul outputs for the backward pass and recompute the rest: measured on
+  # CPU (`t5x-like bench model`), the scanned step is faster with it than without remat.
+  c.model.remat_policy = "dots"
 
   c.data.source = "tfds:wikipedia/20230601.en:train#text"
   c.data.objective = "bert_mlm"

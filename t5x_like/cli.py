@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from t5x_like.bench.data import DEFAULT_LENGTHS
-from t5x_like.data import vocab_cli
+# glibc's malloc backs its large (mmap) allocations with transparent huge pages when
+# this tunable is set at process start. XLA on CPU allocates each step's temporaries
+# (gigabytes for BERT-base) afresh; with 4 KiB pages every step page-faults them in
+# again (about a million faults and 10% of the step time, measured with
+# `t5x-like bench model`).
+_HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 
 
 def _cmd_models(args) -> int:
@@ -43,6 +48,8 @@ def _cmd_task_books(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+  from t5x_like.bench.data import DEFAULT_LENGTHS
+  from t5x_like.data import vocab_cli
   parser = argparse.ArgumentParser(prog="t5x-like", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
   sub.add_parser("train", help="train a config: t5x-like train --config FILE[:ARG] --workdir"
@@ -71,7 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
   books.add_argument("--block_words", type=int, default=500)
   books.add_argument("--passage_words", type=int, default=32)
   books.set_defaults(fn=_cmd_task_books)
-  bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="what", required=True)
+  bench = sub.add_parser("bench", help="benchmarks: data (below); model, compile,"
+                         " bert-vs-torch --config FILE[:ARG] [--config.KEY=VALUE ...]"
+                         " (see t5x_like/bench/cli.py)").add_subparsers(dest="what",
+                                                                        required=True)
   data = bench.add_parser("data", help=_cmd_bench_data.__doc__)
   data.add_argument("--objective", required=True, choices=sorted(DEFAULT_LENGTHS))
   data.add_argument("--length", type=int, default=None,
@@ -83,7 +93,26 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+def _reexec_with_huge_pages() -> None:
+  """Restarts this command (same PID, argv and environment) with _HUGE_PAGES_TUNABLE
+  set, where glibc (2.35 or newer) supports it; T5X_LIKE_HUGE_PAGES=0 opts out."""
+  tunables = os.environ.get("GLIBC_TUNABLES", "")
+  if "glibc.malloc.hugetlb" in tunables or os.environ.get("T5X_LIKE_HUGE_PAGES") == "0":
+    return
+  try:
+    name, version = os.confstr("CS_GNU_LIBC_VERSION").split()
+  except (ValueError, OSError, AttributeError):
+    return
+  if name != "glibc" or tuple(int(x) for x in version.split(".")[:2]) < (2, 35):
+    return
+  env = dict(os.environ, GLIBC_TUNABLES=":".join(filter(None, (tunables,
+                                                                _HUGE_PAGES_TUNABLE))))
+  os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
 def main(argv=None) -> int:
+  if argv is None:  # the console command, not an in-process call
+    _reexec_with_huge_pages()
   argv = sys.argv[1:] if argv is None else list(argv)
   if argv[:1] == ["train"]:  # absl / ml-collections flags: --config.key=value overrides
     from t5x_like.train import main as train_main
@@ -97,6 +126,9 @@ def main(argv=None) -> int:
   if argv[:1] == ["infer"]:
     from t5x_like.infer import cli as infer_cli
     return infer_cli.main(argv[1:])
+  if argv[:1] == ["bench"] and argv[1:2] != ["data"] and not {"-h", "--help"} & set(argv[1:2]):
+    from t5x_like.bench import cli as bench_cli
+    return bench_cli.main(argv[1:])
   args = build_parser().parse_args(argv)
   return args.fn(args)
 

@@ -11,8 +11,8 @@ import pytest
 
 from t5x_like import models
 from t5x_like.models.layers import dot
-from t5x_like.models.attention import (MultiHeadAttention, _attention_with_dropout,
-                                       attention_mask)
+from t5x_like.models.attention import MultiHeadAttention, attention_mask
+from t5x_like.models.attention_core import attend
 from t5x_like.models.losses import cross_entropy
 
 _NO_DROPOUT = dict(dropout_rate=0.0, attention_dropout_rate=0.0)
@@ -160,27 +160,85 @@ def test_attention_gqa_mqa_matches_reference(num_kv_heads):
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("num_kv_heads", [4, 2])
-def test_attention_dropout_path_without_dropout_matches_fused(num_kv_heads):
-  """_attention_with_dropout with identity dropout == jax.nn.dot_product_attention."""
-  rng = np.random.RandomState(num_kv_heads)
+def _plain_attention(q, k, v, bias, mask, keep, scale):
+  """Plain float32 attention with kv heads repeated (GQA), autodiffed by JAX."""
+  rep = q.shape[2] // k.shape[2]
+  kr, vr = jnp.repeat(k, rep, 2), jnp.repeat(v, rep, 2)
+  logits = jnp.einsum("btnh,bsnh->bnts", q, kr) * scale + bias
+  probs = jax.nn.softmax(jnp.where(mask, logits, -1e30), axis=-1) * keep
+  return jnp.einsum("bnts,bsnh->btnh", probs, vr)
+
+
+def _attention_inputs(num_kv_heads, seed=0):
+  rng = np.random.RandomState(seed + num_kv_heads)
   q = rng.randn(2, 5, 4, 8).astype(np.float32)
   k = rng.randn(2, 7, num_kv_heads, 8).astype(np.float32)
   v = rng.randn(2, 7, num_kv_heads, 8).astype(np.float32)
   bias = rng.randn(1, 4, 5, 7).astype(np.float32)
-  mask = jnp.broadcast_to(jnp.arange(7)[None, None, None, :] < jnp.array([7, 4])[:, None,
-                                                                                None, None],
-                          (2, 1, 5, 7))
-  got = _attention_with_dropout(q, k, v, bias, mask, 0.3, lambda p: p, jnp.float32)
+  mask = np.broadcast_to(np.arange(7)[None, None, None, :] < np.array([7, 4])[:, None,
+                                                                               None, None],
+                         (2, 1, 5, 7))
+  keep = (rng.rand(2, 4, 5, 7) > 0.3).astype(np.float32) / 0.7
+  return q, k, v, bias, mask, keep
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2])
+def test_explicit_attention_values_and_grads_match_reference(num_kv_heads):
+  """attention_core's explicit kernel (custom VJP) == autodiff of a plain float32
+  attention, values and gradients of q, k, v and the bias, with and without dropout;
+  without dropout also == jax.nn.dot_product_attention."""
+  q, k, v, bias, mask, keep = _attention_inputs(num_kv_heads)
+  cot = np.random.RandomState(9).randn(2, 5, 4, 8).astype(np.float32)
+  for keep_or_none in (None, keep):
+    ref_keep = np.ones_like(keep) if keep_or_none is None else keep_or_none
+
+    def ours(q, k, v, bias):
+      return jnp.sum(attend(q, k, v, bias=bias, mask=mask, keep=keep_or_none, scale=0.3,
+                            impl="explicit") * cot)
+
+    def ref(q, k, v, bias):
+      return jnp.sum(_plain_attention(q, k, v, bias, mask, ref_keep, 0.3) * cot)
+
+    got = jax.value_and_grad(ours, argnums=(0, 1, 2, 3))(q, k, v, bias)
+    want = jax.value_and_grad(ref, argnums=(0, 1, 2, 3))(q, k, v, bias)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
+  out = attend(q, k, v, bias=bias, mask=mask, scale=0.3, impl="explicit")
   fused = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=0.3)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(fused), atol=1e-5)
-  # and both equal a numpy computation with repeated kv heads
-  rep = 4 // num_kv_heads
-  kr, vr = np.repeat(np.asarray(k), rep, 2), np.repeat(np.asarray(v), rep, 2)
-  logits = np.einsum("btnh,bsnh->bnts", q, kr) * 0.3 + np.asarray(bias)
-  probs = _np_softmax(np.where(np.asarray(mask), logits, -1e30))
-  np.testing.assert_allclose(np.asarray(got), np.einsum("bnts,bsnh->btnh", probs, vr),
-                             atol=1e-5)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(fused), atol=1e-5)
+
+
+def test_explicit_attention_bfloat16_close_to_float32():
+  """In bfloat16 every product is bf16 x bf16 -> f32: values and grads stay within bf16
+  rounding of the float32 reference."""
+  q, k, v, bias, mask, keep = _attention_inputs(2, seed=3)
+  cot = np.random.RandomState(4).randn(2, 5, 4, 8).astype(np.float32)
+
+  def ours(q, k, v, bias):
+    out = attend(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
+                 bias=bias, mask=mask, keep=keep, scale=0.3, impl="explicit")
+    assert out.dtype == jnp.bfloat16
+    return jnp.sum(out.astype(jnp.float32) * cot)
+
+  def ref(q, k, v, bias):
+    return jnp.sum(_plain_attention(q, k, v, bias, mask, keep, 0.3) * cot)
+
+  got = jax.grad(ours, argnums=(0, 1, 2, 3))(q, k, v, bias)
+  want = jax.grad(ref, argnums=(0, 1, 2, 3))(q, k, v, bias)
+  for g, w in zip(got, want):
+    scale = np.abs(np.asarray(w)).max()
+    np.testing.assert_allclose(np.asarray(g, np.float32) / scale, np.asarray(w) / scale,
+                               atol=3e-2)
+
+
+def test_attention_impl_choices():
+  q, k, v, bias, mask, keep = _attention_inputs(4)
+  with pytest.raises(ValueError, match="cannot apply attention dropout"):
+    attend(q, k, v, mask=mask, keep=keep, impl="xla_sdpa")
+  with pytest.raises(ValueError, match="attention impl 'flash'"):
+    attend(q, k, v, impl="flash")
+  with pytest.raises(ValueError, match="attention_impl"):
+    models.preset("bert-tiny", attention_impl="flash")
 
 
 # ------------------------------------------------- (c) Llama (RoPE, RMSNorm, SwiGLU, GQA)

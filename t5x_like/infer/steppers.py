@@ -42,7 +42,7 @@ def _batch_axes(make_cache: Callable[[int], Any]) -> Any:
   return jax.tree.map(axis, one, two)
 
 
-def _zero_cache(init_fn: Callable[[], Any]) -> Any:
+def zero_cache(init_fn: Callable[[], Any]) -> Any:
   """The cache `init_fn` would create (all zeros), without running the init forward."""
   shapes = jax.eval_shape(init_fn)
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
@@ -81,7 +81,7 @@ def decoder_only(model, params, prompt_BxP: Array, lengths_B: Array, *, max_new_
 
   def make_cache(rows):
     tokens = {"decoder_input_tokens": jnp.zeros((rows, cache_len), jnp.int32)}
-    return _zero_cache(lambda: module.init(jax.random.key(0), tokens)["cache"])
+    return zero_cache(lambda: module.init(jax.random.key(0), tokens)["cache"])
 
   def run(cache, batch_features):
     logits, mutated = module.apply({"params": params, "cache": cache}, batch_features,
@@ -124,7 +124,7 @@ def encoder_decoder(model, params, encoder_tokens_BxL: Array, *, max_new_tokens:
     features = {"encoder_input_tokens": jnp.zeros((rows, encoder_tokens_BxL.shape[1]),
                                                   jnp.int32),
                 "decoder_input_tokens": jnp.zeros((rows, max_new_tokens), jnp.int32)}
-    return _zero_cache(lambda: module.init(jax.random.key(0), encoded, features,
+    return zero_cache(lambda: module.init(jax.random.key(0), encoded, features,
                                            method="decode_logits")["cache"])
 
   def run(cache, encoded, encoder_tokens, token_B):

@@ -1,8 +1,8 @@
 """Multi-head attention (MHA / MQA / GQA), masks, relative position bias and RoPE.
 
-Masks are boolean [B, 1, Q, K] (True = may attend). Attention runs through
-`jax.nn.dot_product_attention` (cuDNN flash attention on GPU) unless attention
-dropout is active, which needs the explicit probabilities.
+Masks are boolean [B, 1, Q, K] (True = may attend). The softmax core is
+attention_core.attend (config.attention_impl: jax.nn.dot_product_attention, cuDNN
+flash attention, on GPU; an explicit bf16 kernel with a custom VJP elsewhere).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from t5x_like.models.attention_core import attend
 from t5x_like.models.config import ModelConfig
 from t5x_like.models.layers import (DenseGeneral, compute_dtype, constrain, init_std,
                                     normal_init, param_with_axes)
@@ -99,25 +100,6 @@ def apply_rope(x_BxLxNxH: Array, positions_BxL: Array, theta: float) -> Array:
 
 
 # ----------------------------------------------------------------------- attention
-def _attention_with_dropout(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias, mask, scale, dropout,
-                            dtype):
-  """Explicit softmax attention so that dropout can act on the probabilities."""
-  b, t, n, h = q_BxTxNxH.shape
-  kv = k_BxSxKxH.shape[2]
-  q = q_BxTxNxH.reshape(b, t, kv, n // kv, h)
-  logits = jnp.einsum("btkgh,bskh->bkgts", q, k_BxSxKxH,
-                      preferred_element_type=jnp.float32) * scale
-  logits = logits.reshape(b, n, t, -1)
-  if bias is not None:
-    logits = logits + bias.astype(jnp.float32)
-  if mask is not None:
-    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min * 0.7)
-  probs = dropout(jax.nn.softmax(logits, axis=-1)).astype(dtype)
-  probs = probs.reshape(b, kv, n // kv, t, -1)
-  out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH, preferred_element_type=jnp.float32)
-  return out.reshape(b, t, n, h).astype(dtype)
-
-
 class MultiHeadAttention(nn.Module):
   """Self or cross attention: [B, T, D] queries over [B, S, D] keys -> [B, T, D].
 
@@ -164,13 +146,13 @@ class MultiHeadAttention(nn.Module):
 
     scale = 1.0 / math.sqrt(h) if cfg.scale_attention else 1.0
     rate = cfg.attention_dropout_rate
+    keep = None
     if not self.deterministic and rate > 0.0:
-      dropout = lambda p: nn.Dropout(rate)(p, deterministic=False)
-      out = _attention_with_dropout(q, k, v, bias, mask, scale, dropout, dtype)
-    else:
-      if bias is not None:
-        bias = bias.astype(dtype)
-      out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale)
+      shape = (q.shape[0], n, q.shape[1], k.shape[1])
+      keep = jax.random.bernoulli(self.make_rng("dropout"), 1.0 - rate, shape)
+      keep = keep.astype(dtype) / jnp.asarray(1.0 - rate, dtype)
+    out = attend(q, k, v, bias=bias, mask=mask, keep=keep, scale=scale,
+                 impl=cfg.attention_impl)
     out = constrain(out, ("batch", "length", "heads", "kv"))
     o_std = init_std(cfg, n * h, residual=True)
     return DenseGeneral(features=(d,), axes=("heads", "kv", "embed"), in_dims=2,

@@ -17,6 +17,7 @@ POSITIONS = ("learned", "relative", "rope", "none")
 INIT_SCHEMES = ("normal", "t5")
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ATTENTION_IMPLS = ("auto", "explicit", "xla_sdpa")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,7 @@ class ModelConfig:
   nsp_head: bool = False  # BERT pooler + next-sentence classifier
   dropout_rate: float = 0.1
   attention_dropout_rate: float = 0.1
+  attention_impl: str = "auto"  # auto | explicit | xla_sdpa (models/attention_core.py)
   mlp_hidden_dropout: bool = False  # T5: dropout after the MLP activation
   init_scheme: str = "normal"
   init_std: float = 0.02
@@ -104,6 +106,7 @@ class ModelConfig:
     choice("init_scheme", INIT_SCHEMES)
     choice("dtype", DTYPES)
     choice("remat_policy", REMAT_POLICIES)
+    choice("attention_impl", ATTENTION_IMPLS)
     for name in ("vocab_size", "d_model", "num_heads", "d_ff", "num_layers"):
       if int(getattr(self, name)) <= 0:
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: must be positive")

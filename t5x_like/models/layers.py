@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -39,19 +39,15 @@ def normal_init(std: float) -> Callable:
   return nn.initializers.normal(stddev=std)
 
 
-def dot(x: Array, kernel: Array, contract: int, dtype) -> Array:
-  """Contracts the last `contract` dims of x with the first of kernel.
+def dot(x: Array, kernel: Array, contract: int, dtype, bias: Optional[Array] = None) -> Array:
+  """Contracts the last `contract` dims of x with the first of kernel, plus `bias`.
 
-  x [*batch, *C] . kernel [*C, *out] -> [*batch, *out] in `dtype`. Both operands are
-  cast to `dtype` and every product accumulates in float32 (bf16 x bf16 -> f32 on
-  matrix units), in the backward pass too: see _low_precision_dot.
+  x [*batch, *C] . kernel [*C, *out] (+ bias [*out]) -> [*batch, *out] in `dtype`. Both
+  operands are cast to `dtype` and every product accumulates in float32 (bf16 x bf16 ->
+  f32 on matrix units), in the backward pass too; the bias is added in float32 before
+  the result is rounded. See _dot_with_vjp.
   """
-  if jnp.dtype(dtype) == jnp.float32:
-    x_dims = tuple(range(x.ndim - contract, x.ndim))
-    return jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype),
-                               ((x_dims, tuple(range(contract))), ((), ())),
-                               preferred_element_type=jnp.float32)
-  return _low_precision_dot(x, kernel, contract, jnp.dtype(dtype), x.dtype, kernel.dtype)
+  return _dot_with_vjp(x, kernel, bias, contract, jnp.dtype(dtype), x.dtype, kernel.dtype)
 
 
 def _dot_f32(a: Array, b: Array, a_dims, b_dims) -> Array:
@@ -59,28 +55,32 @@ def _dot_f32(a: Array, b: Array, a_dims, b_dims) -> Array:
                              preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _low_precision_dot(x: Array, kernel: Array, contract: int, dtype, x_dtype,
-                        k_dtype) -> Array:
-  """dot() in a 16-bit dtype whose gradients are 16-bit x 16-bit -> float32 products too.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _dot_with_vjp(x: Array, kernel: Array, bias: Optional[Array], contract: int, dtype,
+                  x_dtype, k_dtype) -> Array:
+  """dot() whose gradients are `dtype` x `dtype` -> float32 products too.
 
-  Plain autodiff would transpose the float32-accumulating product into float32 x bf16
-  matmuls (XLA upcasts both operands), several times slower than the forward on bf16
-  matrix units; here dx and dkernel are bf16 x bf16 -> f32, cast to x's and kernel's
-  own dtypes (kernel grads stay float32 for float32 params).
+  Plain autodiff would transpose a bf16 float32-accumulating product into float32 x
+  bf16 matmuls (XLA upcasts both operands), several times slower than the forward on
+  bf16 matrix units; here dx and dkernel are bf16 x bf16 -> f32, cast to x's and
+  kernel's own dtypes (kernel grads stay float32 for float32 params). The bias
+  gradient (the sum of g over the batch dims) is a product with ones: on CPU a matmul
+  is much faster than XLA's reduction of a large array.
   """
-  y, _ = _low_precision_dot_fwd(x, kernel, contract, dtype, x_dtype, k_dtype)
+  y, _ = _dot_with_vjp_fwd(x, kernel, bias, contract, dtype, x_dtype, k_dtype)
   return y
 
 
-def _low_precision_dot_fwd(x, kernel, contract, dtype, x_dtype, k_dtype):
+def _dot_with_vjp_fwd(x, kernel, bias, contract, dtype, x_dtype, k_dtype):
   x_lp, k_lp = x.astype(dtype), kernel.astype(dtype)
   y = _dot_f32(x_lp, k_lp, range(x.ndim - contract, x.ndim), range(contract))
-  return y.astype(dtype), (x_lp, k_lp)
+  if bias is not None:
+    y = y + bias.astype(jnp.float32)
+  return y.astype(dtype), (x_lp, k_lp, bias)
 
 
-def _low_precision_dot_bwd(contract, dtype, x_dtype, k_dtype, residuals, g):
-  x_lp, k_lp = residuals
+def _dot_with_vjp_bwd(contract, dtype, x_dtype, k_dtype, residuals, g):
+  x_lp, k_lp, bias = residuals
   g = g.astype(dtype)
   batch = x_lp.ndim - contract          # leading dims of x (and of g)
   out = k_lp.ndim - contract            # trailing dims of kernel (and of g)
@@ -92,10 +92,14 @@ def _low_precision_dot_bwd(contract, dtype, x_dtype, k_dtype, residuals, g):
   # embedding.T) into this dot: that fold yields a bf16 x bf16 -> f32 dot the CPU
   # backend cannot run ("Unsupported element type for DotThunk").
   dk = jax.lax.optimization_barrier(dk)
-  return dx.astype(x_dtype), dk.astype(k_dtype)
+  dbias = None
+  if bias is not None:  # dbias[*out] = ones[*batch] . g[*batch, *out]
+    dbias = _dot_f32(jnp.ones(g.shape[:batch], dtype), g, range(batch),
+                     range(batch)).astype(bias.dtype)
+  return dx.astype(x_dtype), dk.astype(k_dtype), dbias
 
 
-_low_precision_dot.defvjp(_low_precision_dot_fwd, _low_precision_dot_bwd)
+_dot_with_vjp.defvjp(_dot_with_vjp_fwd, _dot_with_vjp_bwd)
 
 
 class DenseGeneral(nn.Module):
@@ -117,12 +121,11 @@ class DenseGeneral(nn.Module):
     in_shape = x.shape[x.ndim - self.in_dims:]
     kernel = param_with_axes(self, "kernel", self.kernel_init, (*in_shape, *self.features),
                              self.axes)
-    y = dot(x, kernel, self.in_dims, self.dtype)
+    bias = None
     if self.use_bias:
       bias = param_with_axes(self, "bias", nn.initializers.zeros, self.features,
                              self.axes[self.in_dims:])
-      y = y + bias.astype(self.dtype)
-    return y
+    return dot(x, kernel, self.in_dims, self.dtype, bias)
 
 
 class Embed(nn.Module):

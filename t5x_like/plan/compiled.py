@@ -27,7 +27,7 @@ def _abstract_batch(batch_shapes: Mapping[str, tuple], mesh: Mesh, rules) -> dic
           for name, shape in batch_shapes.items()}
 
 
-def _memory(compiled) -> dict[str, int]:
+def xla_memory(compiled) -> dict[str, int]:
   """compiled.memory_analysis() per device; total = arguments + outputs + temps - aliased
   (donated state buffers are reused for the new state, so they count once)."""
   stats = compiled.memory_analysis()
@@ -65,5 +65,5 @@ def compile_train_step(model, optimizer, schedule, mesh: Mesh, rules,
                              sharding=NamedSharding(mesh, PartitionSpec()))
   compiled = step.lower(state, _abstract_batch(batch_shapes, mesh, rules), rng).compile()
   per_device = _flops(compiled)
-  return {"memory": _memory(compiled), "flops_per_device": per_device,
+  return {"memory": xla_memory(compiled), "flops_per_device": per_device,
           "flops": per_device * mesh.size}

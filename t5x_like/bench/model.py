@@ -1,0 +1,281 @@
+"""`t5x-like bench model`: compile and time a config's train step (and decode step).
+
+  result = bench_model(config, steps=10, warmup=2)
+
+The train step is the trainer's own (make_train_step on create_train_state, the config's
+mesh, optimizer and microbatches), fed real batches of the config's objective drawn
+from the embedded corpus (the text does not change the step time; no download). The
+batches are on the device before timing starts. Each timed step ends with
+block_until_ready on the new state, and the median of `steps` after `warmup` is
+reported, with tokens/s, model FLOP/s per device (train/flops.py conventions) and MFU.
+On CPU the peaks are the bfloat16 and float32 matmul ceilings measured in the same run;
+on accelerators the table's dense bf16 peak (train/flops.py).
+
+The persistent compilation cache is switched off, so compile_seconds is a real compile.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import time
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from t5x_like.data.loader import make_loader
+from t5x_like.data.pipeline import make_objective
+from t5x_like.data.sources import EmbeddedCorpus
+from t5x_like.data.tokenize import build_store
+from t5x_like.infer.steppers import zero_cache
+from t5x_like.parallel import DEFAULT_RULES, mesh_from_config, shard_batch
+from t5x_like.plan.compiled import compile_train_step, xla_memory
+from t5x_like.train import flops as flops_lib
+from t5x_like.train.config_check import validate
+from t5x_like.train.loop import build_model_from_config, config_vocab
+from t5x_like.train.optimizers import make_optimizer
+from t5x_like.train.state import create_train_state
+from t5x_like.train.step import make_train_step
+
+# Distinct batches cycled through the timed steps.
+_NUM_BATCHES = 4
+
+
+def disable_compilation_cache() -> None:
+  """Compile for real: a persistent-cache hit would make compile times meaningless."""
+  jax.config.update("jax_enable_compilation_cache", False)
+
+
+def median_seconds(run_once: Callable[[], Any], *, steps: int, warmup: int) -> tuple[float, list]:
+  """(median, all) wall seconds of `steps` calls of run_once after `warmup` untimed ones;
+  run_once must block until its work is done."""
+  for _ in range(warmup):
+    run_once()
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    run_once()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), times
+
+
+def host_batches(config: ml_collections.ConfigDict, vocab, count: int = _NUM_BATCHES,
+                 store=None) -> list[dict[str, np.ndarray]]:
+  """`count` global batches of config's objective over the embedded corpus (numpy)."""
+  data = config.data
+  if store is None:
+    store, _ = build_store(EmbeddedCorpus(), vocab)
+  options = dict(data.options)
+  if data.targets_length:
+    options["targets_length"] = data.targets_length
+  objective = make_objective(data.objective, store, vocab, seed=config.seed,
+                             length=data.length, **options)
+  batches = iter(make_loader(objective, config.train.batch_size, seed=config.seed,
+                             num_workers=0))
+  return [next(batches) for _ in range(count)]
+
+
+def peak_flops(device: jax.Device) -> dict[str, float]:
+  """{'bfloat16': , 'float32': } peak FLOP/s of one device (measured now on CPU)."""
+  return {dtype: flops_lib.peak_flops_per_device(device, dtype)
+          for dtype in ("bfloat16", "float32")}
+
+
+def peak_memory_bytes(device: jax.Device) -> Optional[int]:
+  """The device allocator's peak (accelerators), or the process's max RSS (CPU)."""
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  if stats and "peak_bytes_in_use" in stats:
+    return int(stats["peak_bytes_in_use"])
+  if device.platform == "cpu":
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
+  return None
+
+
+def _rate_fields(seconds: float, tokens: int, flops: float, devices: int,
+                 peaks: dict[str, float], dtype: str) -> dict[str, Any]:
+  out = {
+      "step_seconds_median": round(seconds, 5),
+      "tokens_per_second": round(tokens / seconds, 1),
+      "model_tflops_per_second_per_device": round(flops / seconds / devices / 1e12, 4),
+      "mfu": round(flops_lib.mfu(flops, seconds, devices, peaks[dtype]), 4),
+  }
+  for name, peak in peaks.items():
+    out[f"mfu_vs_{name}_peak"] = round(flops_lib.mfu(flops, seconds, devices, peak), 4)
+  return out
+
+
+class TrainBench:
+  """The compiled train step of a config with its state and device batches.
+
+  compile_seconds: trace + lower + compile. step() runs one step and blocks.
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, batches=None, store=None):
+    validate(config, jax.device_count(), vocab_size=config_vocab(config).vocab_size)
+    self.config = config
+    vocab = config_vocab(config)
+    self.model = build_model_from_config(config, vocab.vocab_size)
+    self.mesh = mesh_from_config(config.mesh)
+    self.rules = tuple(config.mesh.rules) or DEFAULT_RULES
+    batches = batches if batches is not None else host_batches(config, vocab, store=store)
+    self.batch_shapes = {k: tuple(v.shape) for k, v in batches[0].items()}
+    self.batches = [shard_batch(b, self.mesh, self.rules) for b in batches]
+    optimizer, schedule = make_optimizer(config.optimizer, config.train.num_steps)
+    self.rng = jax.random.key(config.seed)
+    self.state, shardings = create_train_state(self.model, optimizer, self.mesh, self.rules,
+                                               self.batch_shapes, jax.random.fold_in(self.rng, 1))
+    step = make_train_step(self.model, optimizer, schedule,
+                           microbatches=config.train.microbatches, mesh=self.mesh,
+                           rules=self.rules, state_shardings=shardings,
+                           batch_shapes=self.batch_shapes)
+    start = time.perf_counter()
+    self.compiled = step.lower(self.state, self.batches[0], self.rng).compile()
+    self.compile_seconds = time.perf_counter() - start
+    self.flops_per_step = flops_lib.train_flops_per_step(self.model.config, self.batch_shapes)
+    self.tokens_per_step = int(np.prod(next(iter(self.batch_shapes.values()))[:2]))
+    self._next = 0
+    self.last_metrics = None
+
+  def step(self) -> None:
+    batch = self.batches[self._next % len(self.batches)]
+    self._next += 1
+    self.state, self.last_metrics = self.compiled(self.state, batch, self.rng)
+    jax.block_until_ready((self.state, self.last_metrics))
+
+
+def _decode_step(model, params, config, batch_size: int):
+  """(run_once, compile_seconds) of one cached decoding step at batch_size rows over a
+  cache of config.data.length slots (T5: targets_length; encoder of data.length)."""
+  module = model.module(decode=True)
+  cfg = model.config
+  if cfg.family == "decoder":
+    cache_len = config.data.length
+    init_batch = {"decoder_input_tokens": jnp.zeros((batch_size, cache_len), jnp.int32)}
+    cache = zero_cache(lambda: module.init(jax.random.key(0), init_batch)["cache"])
+    extra = ()
+
+    def fn(params, cache, token_B, position_B):
+      logits, mutated = module.apply({"params": params, "cache": cache},
+                                     {"decoder_input_tokens": token_B[:, None],
+                                      "decoder_positions": position_B[:, None]},
+                                     mutable=["cache"])
+      return logits[:, 0], mutated["cache"]
+  elif cfg.family == "encoder_decoder":
+    cache_len = config.data.targets_length or config.data.length
+    enc = jnp.ones((batch_size, config.data.length), jnp.int32)
+    encoded = jax.jit(lambda p, t: model.module().apply(
+        {"params": p}, {"encoder_input_tokens": t}, method="encode"))(params, enc)
+    features = {"encoder_input_tokens": enc,
+                "decoder_input_tokens": jnp.zeros((batch_size, cache_len), jnp.int32)}
+    cache = zero_cache(lambda: module.init(jax.random.key(0), encoded, features,
+                                            method="decode_logits")["cache"])
+    extra = (encoded, enc)
+
+    def fn(params, cache, token_B, position_B, encoded, enc):
+      del position_B  # relative positions come from the cache index
+      logits, mutated = module.apply({"params": params, "cache": cache}, encoded,
+                                     {"encoder_input_tokens": enc,
+                                      "decoder_input_tokens": token_B[:, None]},
+                                     method="decode_logits", mutable=["cache"])
+      return logits[:, 0], mutated["cache"]
+  else:
+    return None
+  token = jnp.ones((batch_size,), jnp.int32)
+  position = jnp.zeros((batch_size,), jnp.int32)
+  start = time.perf_counter()
+  compiled = jax.jit(fn, donate_argnums=(1,)).lower(params, cache, token, position,
+                                                     *extra).compile()
+  compile_seconds = time.perf_counter() - start
+  state = {"cache": cache, "position": position}
+
+  def run_once():
+    logits, state["cache"] = compiled(params, state["cache"], token, state["position"], *extra)
+    state["position"] = state["position"] + 1
+    jax.block_until_ready(logits)
+  return run_once, compile_seconds, cache_len
+
+
+def bench_model(config: ml_collections.ConfigDict, *, steps: int = 10, warmup: int = 2,
+                decode: bool = True, peaks: Optional[dict[str, float]] = None) -> dict:
+  """The benchmark JSON of config's train step (and decode step where the family decodes).
+
+  peaks: {'bfloat16', 'float32'} FLOP/s per device (default: peak_flops, measured on CPU).
+  """
+  if steps < 1 or warmup < 0:
+    raise ValueError(f"steps={steps} must be >= 1 and warmup={warmup} >= 0")
+  disable_compilation_cache()
+  device = jax.devices()[0]
+  peaks = peaks or peak_flops(device)
+  bench = TrainBench(config)
+  seconds, times = median_seconds(bench.step, steps=steps, warmup=warmup)
+  cfg = bench.model.config
+  result = {
+      "model": config.model.preset, "family": cfg.family, "dtype": cfg.dtype,
+      "layers": cfg.num_layers, "d_model": cfg.d_model, "params": bench.model.num_params(),
+      "scan_layers": cfg.scan_layers, "remat_policy": cfg.remat_policy,
+      "batch_shapes": {k: list(v) for k, v in bench.batch_shapes.items()},
+      "optimizer": config.optimizer.name, "microbatches": config.train.microbatches,
+      "device": device.device_kind, "platform": device.platform,
+      "num_devices": jax.device_count(), "mesh": dict(bench.mesh.shape),
+      "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+      "peak_flops_per_device": {k: round(v / 1e12, 4) for k, v in peaks.items()},
+      "peak_flops_unit": "TFLOP/s",
+      "train": {
+          "compile_seconds": round(bench.compile_seconds, 2),
+          **_rate_fields(seconds, bench.tokens_per_step, bench.flops_per_step,
+                         jax.device_count(), peaks, cfg.dtype),
+          "step_seconds": [round(t, 5) for t in times],
+          "tokens_per_step": bench.tokens_per_step,
+          "model_flops_per_step": bench.flops_per_step,
+          "loss": float(bench.last_metrics["loss"]),
+          "xla_memory_per_device": xla_memory(bench.compiled),
+      },
+  }
+  if decode and cfg.family != "encoder":
+    batch_size = config.train.batch_size
+    run_once, compile_seconds, cache_len = _decode_step(bench.model, bench.state.params,
+                                                        config, batch_size)
+    decode_steps = min(steps, cache_len - warmup)
+    seconds, _ = median_seconds(run_once, steps=decode_steps, warmup=warmup)
+    result["decode"] = {
+        "compile_seconds": round(compile_seconds, 2), "batch_size": batch_size,
+        "cache_length": cache_len, "step_seconds_median": round(seconds, 5),
+        "tokens_per_second": round(batch_size / seconds, 1),
+    }
+  result["peak_memory_bytes"] = peak_memory_bytes(device)
+  return result
+
+
+def bench_compile(config: ml_collections.ConfigDict, depths: list[int]) -> dict:
+  """Trace + lower + compile seconds of config's train step at each depth in `depths`
+  (model.overrides.num_layers; T5: encoder and decoder), on abstract values (nothing is
+  allocated or run)."""
+  if not depths or min(depths) < 1:
+    raise ValueError(f"layers={depths}: give depths >= 1")
+  disable_compilation_cache()
+  vocab = config_vocab(config)
+  batch_shapes = {k: tuple(v.shape) for k, v in host_batches(config, vocab, count=1)[0].items()}
+  rows = []
+  for depth in depths:
+    c = ml_collections.ConfigDict(config.to_dict())
+    c.model.overrides.num_layers = depth
+    model = build_model_from_config(c, vocab.vocab_size)
+    if model.config.num_decoder_layers:
+      c.model.overrides.num_decoder_layers = depth
+      model = build_model_from_config(c, vocab.vocab_size)
+    optimizer, schedule = make_optimizer(c.optimizer, c.train.num_steps)
+    mesh = mesh_from_config(c.mesh)
+    start = time.perf_counter()
+    compile_train_step(model, optimizer, schedule, mesh, tuple(c.mesh.rules) or DEFAULT_RULES,
+                       batch_shapes, c.train.microbatches)
+    rows.append({"layers": depth, "params": model.num_params(),
+                 "compile_seconds": round(time.perf_counter() - start, 2)})
+  cfg = build_model_from_config(config, vocab.vocab_size).config
+  return {"model": config.model.preset, "scan_layers": cfg.scan_layers,
+          "remat_policy": cfg.remat_policy, "dtype": cfg.dtype,
+          "batch_shapes": {k: list(v) for k, v in batch_shapes.items()},
+          "device": jax.devices()[0].device_kind, "compile": rows}

@@ -1,0 +1,115 @@
+"""`t5x-like bench model | compile | bert-vs-torch` on tiny configs: the JSON is
+consistent with itself and with the analytic FLOP count, every family runs, bad input
+exits 2. (Speed itself is measured by the benchmarks, never asserted in tests.)"""
+
+import json
+
+import pytest
+
+from t5x_like import cli
+from t5x_like.models import preset
+from t5x_like.train import flops as flops_lib
+
+_TINY_BERT = ["--config", "configs/bert_cpu.py:smoke", "--config.train.batch_size=8",
+              "--config.data.length=32"]
+
+
+def _run(capsys, argv):
+  code = cli.main(argv)
+  captured = capsys.readouterr()
+  return code, (json.loads(captured.out) if code == 0 else None), captured.err
+
+
+@pytest.mark.parametrize("config,decode", [("configs/bert_cpu.py:smoke", False),
+                                           ("configs/gpt_cpu.py:smoke", True),
+                                           ("configs/t5_cpu.py:smoke", True)])
+def test_bench_model_reports_consistent_figures(capsys, config, decode):
+  code, out, err = _run(capsys, ["bench", "model", "--config", config, "--steps", "3",
+                                 "--warmup", "1", "--config.train.batch_size=8"])
+  assert code == 0, err
+  train = out["train"]
+  assert len(train["step_seconds"]) == 3
+  assert train["step_seconds_median"] == pytest.approx(sorted(train["step_seconds"])[1],
+                                                       abs=1e-5)
+  shapes = out["batch_shapes"]
+  first = shapes.get("encoder_input_tokens") or shapes["decoder_input_tokens"]
+  assert train["tokens_per_step"] == first[0] * first[1]
+  seconds = train["step_seconds_median"]
+  assert train["tokens_per_second"] == pytest.approx(train["tokens_per_step"] / seconds,
+                                                     rel=5e-3)
+  # The FLOPs are the analytic count of train/flops.py for the model and these shapes.
+  cfg = preset(out["model"], **_overrides(config, out))
+  assert cfg.family == out["family"]
+  want = flops_lib.train_flops_per_step(cfg, {k: tuple(v) for k, v in shapes.items()})
+  assert train["model_flops_per_step"] == pytest.approx(want, rel=1e-9)
+  peaks = out["peak_flops_per_device"]
+  assert peaks["bfloat16"] > 0 and peaks["float32"] > 0
+  mfu = want / seconds / (out["num_devices"] * peaks[out["dtype"]] * 1e12)
+  assert train["mfu"] == pytest.approx(mfu, rel=0.01, abs=1e-4)
+  assert train["compile_seconds"] > 0
+  assert train["xla_memory_per_device"]["total_bytes"] > 0
+  assert out["peak_memory_bytes"] > 0
+  assert ("decode" in out) == decode
+  if decode:
+    assert out["decode"]["tokens_per_second"] == pytest.approx(
+        8 / out["decode"]["step_seconds_median"], rel=5e-3)
+
+
+def _overrides(config_spec, out):
+  """The ModelConfig the bench built: the config file's model section."""
+  from t5x_like.train.defaults import load_config_file
+  from t5x_like.train.loop import build_model_from_config, config_vocab
+  c = load_config_file(config_spec)
+  cfg = build_model_from_config(c, config_vocab(c).vocab_size).config
+  return {k: v for k, v in cfg.to_dict().items()
+          if k not in ("family",) and v != getattr(preset(out["model"]), k)}
+
+
+def test_bench_compile_reports_each_depth(capsys):
+  code, out, err = _run(capsys, ["bench", "compile", *_TINY_BERT, "--layers", "1,3"])
+  assert code == 0, err
+  rows = out["compile"]
+  assert [r["layers"] for r in rows] == [1, 3]
+  assert rows[1]["params"] > rows[0]["params"]
+  assert all(r["compile_seconds"] > 0 for r in rows)
+
+
+def test_bench_bert_vs_torch_runs_both_frameworks(capsys):
+  code, out, err = _run(capsys, ["bench", "bert-vs-torch", *_TINY_BERT, "--steps", "1",
+                                 "--rounds", "2", "--warmup", "1"])
+  assert code == 0, err
+  for name in ("ours_bfloat16", "ours_float32", "torch_bfloat16", "torch_float32"):
+    assert len(out[name]["step_seconds"]) == 2
+    # One step of training from random init on the same batches: both losses near ln(V)
+    # plus ln(2) (MLM + NSP).
+    assert 3.0 < out[name]["last_loss"] < 15.0
+  ratio = out["ours_bfloat16"]["tokens_per_second"] / out["torch_bfloat16"]["tokens_per_second"]
+  assert out["ratios"]["ours_bfloat16_over_torch_bfloat16"] == pytest.approx(ratio, rel=1e-2)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "bert-vs-torch", "--config", "configs/gpt_cpu.py:smoke"], "needs a BERT config"),
+    (["bench", "model", "--config", "configs/bert_cpu.py:smoke", "--steps", "0"], "steps=0"),
+    (["bench", "compile", "--config", "configs/bert_cpu.py:smoke", "--layers", "0"],
+     "layers=[0]"),
+    (["bench", "model"], "--config required"),
+    (["bench", "models"], "expected one of model, compile, bert-vs-torch"),
+])
+def test_bench_bad_input_exits_2(capsys, argv, message):
+  code, _, err = _run(capsys, argv)
+  assert code == 2
+  assert message in err
+
+
+def test_console_command_runs_with_huge_pages(tmp_path):
+  """The installed `t5x-like` restarts itself with glibc's huge-page tunable (cli.py);
+  the bench records its environment."""
+  import os
+  import subprocess
+  import sys
+  exe = os.path.join(os.path.dirname(sys.executable), "t5x-like")
+  env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+  out = subprocess.run([exe, "bench", "model", "--config", "configs/bert_cpu.py:smoke",
+                        "--steps", "1", "--warmup", "0", "--config.train.batch_size=8"],
+                       capture_output=True, text=True, env=env, check=True)
+  assert "glibc.malloc.hugetlb=1" in json.loads(out.stdout)["glibc_tunables"]
