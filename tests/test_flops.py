@@ -5,6 +5,7 @@ import math
 import types
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import pytest
 
@@ -47,12 +48,21 @@ def _forward_and_train_fns(cfg, shapes):
   return params, batch, fwd_shapes, forward, train
 
 
+def _ones(jaxpr) -> set:
+  """Variables that are a broadcast of the literal 1 (jnp.ones)."""
+  return {eqn.outvars[0] for eqn in jaxpr.eqns
+          if eqn.primitive.name == "broadcast_in_dim"
+          and isinstance(eqn.invars[0], jax.extend.core.Literal) and eqn.invars[0].val == 1}
+
+
 def _jaxpr_dot_flops(jaxpr) -> float:
   """2 * output size * contracted size of every dot_general, through sub-jaxprs
-  (pjit, custom_vjp, remat) and scans (times their length)."""
+  (pjit, custom_vjp, remat) and scans (times their length). A product of ones with g
+  is a bias gradient (a sum over the batch, layers.dot), not a model matmul."""
   total = 0.0
+  ones = _ones(jaxpr)
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
+    if eqn.primitive.name == "dot_general" and eqn.invars[0] not in ones:
       (lhs_contract, _), _ = eqn.params["dimension_numbers"]
       lhs = eqn.invars[0].aval.shape
       total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[i] for i in lhs_contract)
