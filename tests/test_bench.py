@@ -32,8 +32,10 @@ def test_bench_model_reports_consistent_figures(capsys, config, decode):
   assert train["step_seconds_median"] == pytest.approx(sorted(train["step_seconds"])[1],
                                                        abs=1e-5)
   shapes = out["batch_shapes"]
-  first = shapes.get("encoder_input_tokens") or shapes["decoder_input_tokens"]
-  assert train["tokens_per_step"] == first[0] * first[1]
+  # tokens: every position of the encoder and decoder inputs
+  assert train["tokens_per_step"] == sum(shapes[k][0] * shapes[k][1] for k in shapes
+                                         if k in ("encoder_input_tokens",
+                                                  "decoder_input_tokens"))
   seconds = train["step_seconds_median"]
   assert train["tokens_per_second"] == pytest.approx(train["tokens_per_step"] / seconds,
                                                      rel=5e-3)
@@ -51,6 +53,7 @@ def test_bench_model_reports_consistent_figures(capsys, config, decode):
   assert out["peak_memory_bytes"] > 0
   assert ("decode" in out) == decode
   if decode:
+    assert out["decode"]["cache_length"] == shapes["decoder_input_tokens"][1]
     assert out["decode"]["tokens_per_second"] == pytest.approx(
         8 / out["decode"]["step_seconds_median"], rel=5e-3)
 

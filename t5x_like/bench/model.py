@@ -36,7 +36,7 @@ from t5x_like.parallel import DEFAULT_RULES, mesh_from_config, shard_batch
 from t5x_like.plan.compiled import compile_train_step, xla_memory
 from t5x_like.train import flops as flops_lib
 from t5x_like.train.config_check import validate
-from t5x_like.train.loop import build_model_from_config, config_vocab
+from t5x_like.train.loop import build_model_from_config, config_vocab, objective_kwargs
 from t5x_like.train.optimizers import make_optimizer
 from t5x_like.train.state import create_train_state
 from t5x_like.train.step import make_train_step
@@ -63,26 +63,30 @@ def median_seconds(run_once: Callable[[], Any], *, steps: int, warmup: int) -> t
   return statistics.median(times), times
 
 
-def host_batches(config: ml_collections.ConfigDict, vocab, count: int = _NUM_BATCHES,
-                 store=None) -> list[dict[str, np.ndarray]]:
+def host_batches(config: ml_collections.ConfigDict, vocab, count: int = _NUM_BATCHES
+                 ) -> list[dict[str, np.ndarray]]:
   """`count` global batches of config's objective over the embedded corpus (numpy)."""
-  data = config.data
-  if store is None:
-    store, _ = build_store(EmbeddedCorpus(), vocab)
-  options = dict(data.options)
-  if data.targets_length:
-    options["targets_length"] = data.targets_length
-  objective = make_objective(data.objective, store, vocab, seed=config.seed,
-                             length=data.length, **options)
+  store, _ = build_store(EmbeddedCorpus(), vocab)
+  objective = make_objective(config.data.objective, store, vocab, seed=config.seed,
+                             length=config.data.length, **objective_kwargs(config))
   batches = iter(make_loader(objective, config.train.batch_size, seed=config.seed,
                              num_workers=0))
   return [next(batches) for _ in range(count)]
 
 
-def peak_flops(device: jax.Device) -> dict[str, float]:
-  """{'bfloat16': , 'float32': } peak FLOP/s of one device (measured now on CPU)."""
-  return {dtype: flops_lib.peak_flops_per_device(device, dtype)
-          for dtype in ("bfloat16", "float32")}
+def peak_flops(device: jax.Device, previous: Optional[dict[str, float]] = None
+               ) -> dict[str, float]:
+  """{'bfloat16': , 'float32': } peak FLOP/s of one device. CPU: measured now (the
+  fastest of 20 matmuls; other load only slows a matmul down, so with `previous`, an
+  earlier measurement, the higher of the two is the ceiling), shared by the local
+  CPU devices; accelerators: the table (train/flops.py)."""
+  if device.platform != "cpu":
+    return {dtype: flops_lib.peak_flops_per_device(device, dtype)
+            for dtype in ("bfloat16", "float32")}
+  shares = len(jax.local_devices(backend="cpu"))
+  out = {dtype: flops_lib.matmul_flops("cpu", dtype, repeats=20) / shares
+         for dtype in ("bfloat16", "float32")}
+  return {k: max(v, (previous or {}).get(k, 0.0)) for k, v in out.items()}
 
 
 def peak_memory_bytes(device: jax.Device) -> Optional[int]:
@@ -108,20 +112,27 @@ def _rate_fields(seconds: float, tokens: int, flops: float, devices: int,
   return out
 
 
+def tokens_per_step(batch_shapes: dict[str, tuple]) -> int:
+  """Positions a step processes: encoder inputs plus decoder inputs (B * L each)."""
+  return sum(int(np.prod(batch_shapes[name][:2]))
+             for name in ("encoder_input_tokens", "decoder_input_tokens")
+             if name in batch_shapes)
+
+
 class TrainBench:
   """The compiled train step of a config with its state and device batches.
 
   compile_seconds: trace + lower + compile. step() runs one step and blocks.
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, batches=None, store=None):
-    validate(config, jax.device_count(), vocab_size=config_vocab(config).vocab_size)
-    self.config = config
+  def __init__(self, config: ml_collections.ConfigDict, batches=None):
     vocab = config_vocab(config)
+    validate(config, jax.device_count(), vocab_size=vocab.vocab_size)
+    self.config = config
     self.model = build_model_from_config(config, vocab.vocab_size)
     self.mesh = mesh_from_config(config.mesh)
     self.rules = tuple(config.mesh.rules) or DEFAULT_RULES
-    batches = batches if batches is not None else host_batches(config, vocab, store=store)
+    batches = batches if batches is not None else host_batches(config, vocab)
     self.batch_shapes = {k: tuple(v.shape) for k, v in batches[0].items()}
     self.batches = [shard_batch(b, self.mesh, self.rules) for b in batches]
     optimizer, schedule = make_optimizer(config.optimizer, config.train.num_steps)
@@ -136,7 +147,7 @@ class TrainBench:
     self.compiled = step.lower(self.state, self.batches[0], self.rng).compile()
     self.compile_seconds = time.perf_counter() - start
     self.flops_per_step = flops_lib.train_flops_per_step(self.model.config, self.batch_shapes)
-    self.tokens_per_step = int(np.prod(next(iter(self.batch_shapes.values()))[:2]))
+    self.tokens_per_step = tokens_per_step(self.batch_shapes)
     self._next = 0
     self.last_metrics = None
 
@@ -147,13 +158,14 @@ class TrainBench:
     jax.block_until_ready((self.state, self.last_metrics))
 
 
-def _decode_step(model, params, config, batch_size: int):
-  """(run_once, compile_seconds) of one cached decoding step at batch_size rows over a
-  cache of config.data.length slots (T5: targets_length; encoder of data.length)."""
+def _decode_step(model, params, batch_shapes: dict[str, tuple]):
+  """(run_once, compile_seconds, cache length) of one cached decoding step for a batch
+  of the training shapes: the cache has the decoder length's slots (T5: over encoder
+  outputs of the encoder length)."""
   module = model.module(decode=True)
   cfg = model.config
+  batch_size, cache_len = batch_shapes["decoder_input_tokens"][:2]
   if cfg.family == "decoder":
-    cache_len = config.data.length
     init_batch = {"decoder_input_tokens": jnp.zeros((batch_size, cache_len), jnp.int32)}
     cache = zero_cache(lambda: module.init(jax.random.key(0), init_batch)["cache"])
     extra = ()
@@ -165,8 +177,7 @@ def _decode_step(model, params, config, batch_size: int):
                                      mutable=["cache"])
       return logits[:, 0], mutated["cache"]
   elif cfg.family == "encoder_decoder":
-    cache_len = config.data.targets_length or config.data.length
-    enc = jnp.ones((batch_size, config.data.length), jnp.int32)
+    enc = jnp.ones(batch_shapes["encoder_input_tokens"][:2], jnp.int32)
     encoded = jax.jit(lambda p, t: model.module().apply(
         {"params": p}, {"encoder_input_tokens": t}, method="encode"))(params, enc)
     features = {"encoder_input_tokens": enc,
@@ -183,7 +194,7 @@ def _decode_step(model, params, config, batch_size: int):
                                      method="decode_logits", mutable=["cache"])
       return logits[:, 0], mutated["cache"]
   else:
-    return None
+    raise ValueError(f"model family {cfg.family!r} does not decode")
   token = jnp.ones((batch_size,), jnp.int32)
   position = jnp.zeros((batch_size,), jnp.int32)
   start = time.perf_counter()
@@ -203,15 +214,19 @@ def bench_model(config: ml_collections.ConfigDict, *, steps: int = 10, warmup: i
                 decode: bool = True, peaks: Optional[dict[str, float]] = None) -> dict:
   """The benchmark JSON of config's train step (and decode step where the family decodes).
 
-  peaks: {'bfloat16', 'float32'} FLOP/s per device (default: peak_flops, measured on CPU).
+  peaks: {'bfloat16', 'float32'} FLOP/s per device (default: peak_flops; on CPU measured
+  before and after the timed steps).
   """
   if steps < 1 or warmup < 0:
     raise ValueError(f"steps={steps} must be >= 1 and warmup={warmup} >= 0")
   disable_compilation_cache()
   device = jax.devices()[0]
+  measure = peaks is None
   peaks = peaks or peak_flops(device)
   bench = TrainBench(config)
   seconds, times = median_seconds(bench.step, steps=steps, warmup=warmup)
+  if measure:  # once before and once after the timed steps: the higher ceiling
+    peaks = peak_flops(device, peaks)
   cfg = bench.model.config
   result = {
       "model": config.model.preset, "family": cfg.family, "dtype": cfg.dtype,
@@ -236,9 +251,9 @@ def bench_model(config: ml_collections.ConfigDict, *, steps: int = 10, warmup: i
       },
   }
   if decode and cfg.family != "encoder":
-    batch_size = config.train.batch_size
+    batch_size = bench.batch_shapes["decoder_input_tokens"][0]
     run_once, compile_seconds, cache_len = _decode_step(bench.model, bench.state.params,
-                                                        config, batch_size)
+                                                        bench.batch_shapes)
     decode_steps = min(steps, cache_len - warmup)
     seconds, _ = median_seconds(run_once, steps=decode_steps, warmup=warmup)
     result["decode"] = {

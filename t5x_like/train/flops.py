@@ -144,14 +144,19 @@ def _matmul_seconds(n: int, dtype, device, repeats: int) -> float:
   return float(np.min(times))
 
 
+def matmul_flops(platform: str = "cpu", dtype: str = "bfloat16", n: int = 2048,
+                 repeats: int = 10) -> float:
+  """Measured FLOP/s of a jitted n x n matmul (`dtype` inputs, float32 accumulation)
+  on the first device of `platform`: the fastest of `repeats` after warm-up."""
+  device = jax.local_devices(backend=platform)[0]
+  return 2.0 * n ** 3 / _matmul_seconds(n, jnp.dtype(dtype), device, repeats)
+
+
 @functools.lru_cache(maxsize=None)
 def measure_matmul_flops(platform: str = "cpu", dtype: str = "bfloat16", n: int = 2048,
                          repeats: int = 10) -> float:
-  """Measured FLOP/s of a jitted n x n matmul (`dtype` inputs, float32 accumulation)
-  on the first device of `platform`: the fastest of `repeats` after warm-up. Cached per
-  process."""
-  device = jax.local_devices(backend=platform)[0]
-  return 2.0 * n ** 3 / _matmul_seconds(n, jnp.dtype(dtype), device, repeats)
+  """matmul_flops, measured once per process."""
+  return matmul_flops(platform, dtype, n, repeats)
 
 
 def table_peak_flops(device_kind: str) -> Optional[float]:

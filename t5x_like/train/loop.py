@@ -31,6 +31,7 @@ from t5x_like.train.checkpoints import Checkpointer
 from t5x_like.train.config_check import validate
 from t5x_like.train.metrics import MetricWriter, perplexity, summarize_train_metrics
 from t5x_like.train.optimizers import make_optimizer
+from t5x_like.train.prefetch import DevicePrefetcher
 from t5x_like.train.state import abstract_train_state, create_train_state
 from t5x_like.train.step import make_eval_step, make_train_step
 
@@ -54,7 +55,8 @@ class _Preemption:
     signal.signal(signal.SIGTERM, self._previous)
 
 
-def _objective_kwargs(config) -> dict:
+def objective_kwargs(config) -> dict:
+  """The objective's keyword arguments of config.data: its options and targets_length."""
   kwargs = dict(config.data.options)
   if config.data.targets_length:
     kwargs["targets_length"] = config.data.targets_length
@@ -82,7 +84,7 @@ def build_data(config, workdir: str):
     eval_store, _ = build_store(source_from_spec(data.eval_source), vocab, cache_dir=cache_dir)
   else:
     train_store, eval_store = split_held_out(store, data.eval_fraction)
-  kwargs = _objective_kwargs(config)
+  kwargs = objective_kwargs(config)
   train_objective = make_objective(data.objective, train_store, vocab, seed=config.seed,
                                    length=data.length, **kwargs)
   eval_objective = make_objective(data.objective, eval_store, vocab, seed=config.seed + 1,
@@ -239,9 +241,10 @@ def _run_phase(run: _Run, config, phase: int, until_step: int, step: int, state,
   checkpointer, writer = run.checkpointer, run.writer
   loader = make_loader(objective, tc.batch_size, seed=config.seed + 1000 * phase,
                        num_workers=config.data.num_workers)
-  batches = iter(loader)
+  host_batches = iter(loader)
   if resume_data is not None:
-    batches.set_state(resume_data)
+    host_batches.set_state(resume_data)
+  batches = DevicePrefetcher(host_batches, lambda b: shard_batch(b, mesh, rules))
   train_step = make_train_step(model, run.optimizer, run.schedule,
                                microbatches=tc.microbatches, mesh=mesh, rules=rules,
                                state_shardings=run.state_shardings, batch_shapes=batch_shapes)
@@ -272,8 +275,7 @@ def _run_phase(run: _Run, config, phase: int, until_step: int, step: int, state,
   eval_metrics: dict = {}
   interval_start, interval_steps = time.perf_counter(), 0
   while step < until_step:
-    batch = shard_batch(next(batches), mesh, rules)
-    state, metrics = train_step(state, batch, rng)
+    state, metrics = train_step(state, next(batches), rng)
     step += 1
     interval_steps += 1
     at_checkpoint = tc.checkpoint_every and step % tc.checkpoint_every == 0
