@@ -527,6 +527,29 @@ def test_bf16_dot_gradients_are_bf16_products_with_f32_accumulation(x_shape, k_s
     assert eq.outvars[0].aval.dtype == jnp.float32, eq
 
 
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_dot_with_bias_matches_plain_autodiff(dtype, tol):
+  """dot(..., bias): values and the gradients of x, kernel and bias (the bias one is a
+  product with ones) == JAX autodiff of a plain float32 tensordot + bias."""
+  rng = np.random.RandomState(1)
+  x = jnp.asarray(rng.randn(3, 5, 2, 8), jnp.float32)
+  kernel = jnp.asarray(rng.randn(2, 8, 16), jnp.float32)
+  bias = jnp.asarray(rng.randn(16), jnp.float32)
+  weights = jnp.asarray(rng.randn(3, 5, 16), jnp.float32)
+
+  def ours(x, kernel, bias):
+    return jnp.sum(dot(x, kernel, 2, dtype, bias).astype(jnp.float32) * weights)
+
+  def plain(x, kernel, bias):
+    return jnp.sum((jnp.tensordot(x, kernel, 2) + bias) * weights)
+
+  got = jax.value_and_grad(ours, (0, 1, 2))(x, kernel, bias)
+  want = jax.value_and_grad(plain, (0, 1, 2))(x, kernel, bias)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.dtype == jnp.float32
+    np.testing.assert_allclose(g, w, rtol=tol, atol=tol * float(jnp.abs(w).max()))
+
+
 def _all_eqns(jaxpr):
   for eq in jaxpr.eqns:
     yield eq

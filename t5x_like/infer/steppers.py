@@ -125,7 +125,7 @@ def encoder_decoder(model, params, encoder_tokens_BxL: Array, *, max_new_tokens:
                                                   jnp.int32),
                 "decoder_input_tokens": jnp.zeros((rows, max_new_tokens), jnp.int32)}
     return zero_cache(lambda: module.init(jax.random.key(0), encoded, features,
-                                           method="decode_logits")["cache"])
+                                          method="decode_logits")["cache"])
 
   def run(cache, encoded, encoder_tokens, token_B):
     logits, mutated = module.apply(
