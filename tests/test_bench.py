@@ -7,9 +7,11 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from t5x_like import cli
+from t5x_like.bench.torch_bert import torch_inputs
 from t5x_like.models import preset
 from t5x_like.train import flops as flops_lib
 
@@ -69,6 +71,24 @@ def _overrides(config_spec, out):
   cfg = build_model_from_config(c, config_vocab(c).vocab_size).config
   return {k: v for k, v in cfg.to_dict().items()
           if k not in ("family",) and v != getattr(preset(out["model"]), k)}
+
+
+def test_torch_inputs_put_mlm_targets_at_their_positions():
+  """BertForPreTraining labels: our targets at mlm_positions where the weight is 1,
+  -100 (ignored) everywhere else, padded prediction slots included."""
+  batch = {"encoder_input_tokens": np.array([[2, 7, 5, 9, 3, 0], [2, 8, 8, 3, 0, 0]]),
+           "encoder_type_ids": np.zeros((2, 6), np.int32),
+           "mlm_positions": np.array([[1, 3, 0], [2, 0, 0]]),
+           "mlm_targets": np.array([[11, 12, 0], [13, 0, 0]]),
+           "mlm_weights": np.array([[1, 1, 0], [1, 0, 0]]),
+           "nsp_labels": np.array([1, 0])}
+  inputs = torch_inputs(batch)
+  np.testing.assert_array_equal(inputs["labels"].numpy(),
+                                [[-100, 11, -100, 12, -100, -100],
+                                 [-100, -100, 13, -100, -100, -100]])
+  np.testing.assert_array_equal(inputs["attention_mask"].numpy(),
+                                [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]])
+  np.testing.assert_array_equal(inputs["next_sentence_label"].numpy(), [1, 0])
 
 
 def test_bench_compile_reports_each_depth(capsys):

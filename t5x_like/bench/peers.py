@@ -18,7 +18,7 @@ import ml_collections
 
 from t5x_like.bench.model import TrainBench, disable_compilation_cache, host_batches
 from t5x_like.bench.torch_bert import TorchBertStep
-from t5x_like.train.loop import config_vocab
+from t5x_like.train.loop import build_model_from_config, config_vocab
 
 DTYPES = ("bfloat16", "float32")
 
@@ -37,13 +37,14 @@ def bench_bert_vs_torch(config: ml_collections.ConfigDict, *, steps: int = 3, ro
     raise ValueError(f"steps={steps}, rounds={rounds} must be >= 1, warmup={warmup} >= 0")
   disable_compilation_cache()
   vocab = config_vocab(config)
+  family = build_model_from_config(config, vocab.vocab_size).config.family
+  if family != "encoder":
+    raise ValueError(f"bench bert-vs-torch needs a BERT config; {config.model.preset} is"
+                     f" family {family!r}")
   batches = host_batches(config, vocab)
   runners, info, last_loss = {}, {}, {}
   for dtype in DTYPES:
     bench = TrainBench(_with_dtype(config, dtype), batches=batches)
-    if bench.model.config.family != "encoder":
-      raise ValueError(f"bench bert-vs-torch needs a BERT config; {config.model.preset} is"
-                       f" family {bench.model.config.family!r}")
     runners[f"ours_{dtype}"] = bench.step
     info[f"ours_{dtype}"] = {"compile_seconds": round(bench.compile_seconds, 2)}
     last_loss[f"ours_{dtype}"] = lambda bench=bench: float(bench.last_metrics["loss"])
@@ -63,7 +64,8 @@ def bench_bert_vs_torch(config: ml_collections.ConfigDict, *, steps: int = 3, ro
         run()
         times[name].append(time.perf_counter() - start)
   result = {"layers": model_config.num_layers, "d_model": model_config.d_model,
-            "vocab_size": model_config.vocab_size, "batch_shapes": {k: list(v.shape) for k, v in batches[0].items()},
+            "vocab_size": model_config.vocab_size,
+            "batch_shapes": {k: list(v.shape) for k, v in batches[0].items()},
             "tokens_per_step": tokens, "device": jax.devices()[0].device_kind,
             "timed_steps_each": steps * rounds}
   for name, seconds in times.items():
