@@ -128,7 +128,6 @@ class TrainBench:
   def __init__(self, config: ml_collections.ConfigDict, batches=None):
     vocab = config_vocab(config)
     validate(config, jax.device_count(), vocab_size=vocab.vocab_size)
-    self.config = config
     self.model = build_model_from_config(config, vocab.vocab_size)
     self.mesh = mesh_from_config(config.mesh)
     self.rules = tuple(config.mesh.rules) or DEFAULT_RULES
