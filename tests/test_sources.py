@@ -1,15 +1,22 @@
-"""Document sources: boundaries kept, bad input counted (never a crash), spec parsing."""
+"""Document sources: boundaries kept, bad input counted (never a crash), spec parsing,
+and a source with no usable document refused in one line naming its path."""
 
 import json
 import logging
+import os
 import pickle
 
 import pytest
 import tensorflow_datasets as tfds
 
+from t5x_like import cli
 from t5x_like.corpus import book_names, read_book
-from t5x_like.data.sources import (EmbeddedCorpus, JsonlFiles, TextFiles, TfdsSource,
+from t5x_like.data.sources import (DataSourceError, EmbeddedCorpus, JsonlFiles,
+                                   SourceNotFoundError, TextFiles, TfdsSource,
                                    source_from_spec)
+from t5x_like.data.tokenize import build_store
+from t5x_like.data.vocab import default_vocab
+from t5x_like.errors import UserError
 
 NO_PROBLEMS = dict(empty_documents=0, invalid_utf8=0, malformed_json=0, missing_field=0)
 
@@ -59,6 +66,131 @@ def test_missing_files_are_a_clear_error(tmp_path):
     JsonlFiles(str(tmp_path / "missing.jsonl"))
   with pytest.raises(FileNotFoundError, match="missing.txt"):
     source_from_spec(f"text:{tmp_path}/missing.txt")
+
+
+def test_relative_globs_read_from_anywhere_later(tmp_path, monkeypatch, caplog):
+  """A relative glob is matched in the current directory once; reads and log lines
+  keep working (and keep the relative names) after the directory changes."""
+  (tmp_path / "docs").mkdir()
+  (tmp_path / "docs" / "a.jsonl").write_text('{"text": "one"}\nnot json\n{"text": "two"}\n')
+  (tmp_path / "elsewhere").mkdir()
+  monkeypatch.chdir(tmp_path)
+  source = source_from_spec("jsonl:docs/*.jsonl")
+  assert source.shown_files == ["docs/a.jsonl"]
+  assert source.files == [str(tmp_path / "docs" / "a.jsonl")]
+  monkeypatch.chdir(tmp_path / "elsewhere")
+  with caplog.at_level(logging.WARNING):
+    assert list(source) == ["one", "two"]
+  assert "docs/a.jsonl:2" in caplog.text
+
+
+def test_bad_leading_documents_are_still_logged_and_counted(tmp_path, caplog):
+  """Making a source reads up to its first usable document without logging or counting
+  the bad ones before it: the first full pass does, once."""
+  (tmp_path / "a.jsonl").write_text('{"body": "x"}\n[1]\n{"text": "  "}\n{"text": "ok"}\n')
+  with caplog.at_level(logging.WARNING):
+    source = JsonlFiles(str(tmp_path / "a.jsonl"))
+    assert caplog.text == "" and source.stats.as_dict() == NO_PROBLEMS
+    assert list(source) == ["ok"]
+  assert source.stats.as_dict() == dict(NO_PROBLEMS, empty_documents=1, malformed_json=1,
+                                        missing_field=1)
+  assert all(f"a.jsonl:{line}" in caplog.text for line in (1, 2, 3))
+
+
+# ------------------------------------------------------------------ sources with no document
+def _make_files():
+  """Files for the error cases, in the current directory."""
+  def write(path, data):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+      f.write(data)
+  write("empty_files/a.txt", "  \n\n")
+  write("empty_files/b.txt", "")
+  write("blank_rows/x.jsonl", "\n  \n")
+  write("jsonl_no_field/x.jsonl", '{"body": "Some text here.", "n": 1}\n{"body": "More."}\n')
+  write("plain_text/book.jsonl", "Once upon a time.\nThe end.\n")
+  write("mixed/x.jsonl", '{"text": 7}\nnot json\n{"text": " "}\n')
+  write("a_directory/doc.txt", "Some text. More text.\n")
+  write("rows/x.jsonl", '{"body": "x"}\n')
+  write("nested/sub/a.txt", "Text.\n")
+  write("texts/a.txt", "Text.\n")
+
+
+# (id, spec, exception type, words the message must contain)
+NO_DOCUMENT_CASES = [
+    ("glob matching nothing", "text:nothing/*.txt", SourceNotFoundError,
+     ["no files match 'nothing/*.txt'", "(source 'text:nothing/*.txt'",
+      "directory 'nothing' does not exist"]),
+    ("jsonl glob matching nothing", "jsonl:texts/*.jsonl", SourceNotFoundError,
+     ["no files match 'texts/*.jsonl'", "'texts' holds 1 entry, e.g. 'a.txt'"]),
+    ("file that is not there", "text:missing.txt", SourceNotFoundError,
+     ["no files match 'missing.txt'", "no such file"]),
+    ("directory instead of a glob", "text:a_directory", SourceNotFoundError,
+     ["'a_directory' is a directory", "did you mean 'text:a_directory/*.txt'?"]),
+    ("jsonl directory with a field", "jsonl:rows:body", SourceNotFoundError,
+     ["'rows' is a directory", "did you mean 'jsonl:rows/*.jsonl:body'?"]),
+    ("glob matching only directories", "text:nested/*", SourceNotFoundError,
+     ["'nested/*' matches only directories", "did you mean 'text:nested/*/*.txt'?"]),
+    ("only empty files", "text:empty_files/*.txt", DataSourceError,
+     ["no document in 'empty_files/*.txt'", "all its 2 files are empty or whitespace only"]),
+    ("one empty file", "text:empty_files/a.txt", DataSourceError,
+     ["its only file 'empty_files/a.txt' is empty"]),
+    ("jsonl of blank lines", "jsonl:blank_rows/*.jsonl", DataSourceError,
+     ["no document in 'blank_rows/*.jsonl'", "'blank_rows/x.jsonl' is empty"]),
+    ("jsonl rows without the field", "jsonl:jsonl_no_field/*", DataSourceError,
+     ["no document in 'jsonl_no_field/*'", "no row has a string field 'text'",
+      "the first row has fields ['body', 'n']", "did you mean 'jsonl:jsonl_no_field/*:body'?"]),
+    ("jsonl rows without a named field", "jsonl:jsonl_no_field/*:title", DataSourceError,
+     ["(source 'jsonl:jsonl_no_field/*:title')", "no row has a string field 'title'"]),
+    ("jsonl glob over text files", "jsonl:plain_text/*.jsonl", DataSourceError,
+     ["no document in 'plain_text/*.jsonl'", "'plain_text/book.jsonl' is not JSON lines",
+      "line 1 reads 'Once upon a time.'", "use 'text:plain_text/*.jsonl'"]),
+    ("jsonl rows all bad in several ways", "jsonl:mixed/*.jsonl", DataSourceError,
+     ["none of its 3 rows is usable", "1 is not a JSON object",
+      "1 lacks a string field 'text'", "1 is empty"]),
+    ("bad spec form", "webtext", DataSourceError,
+     ["bad source spec 'webtext'", "text:GLOB", "jsonl:GLOB[:FIELD]"]),
+    ("bare glob as a spec", "texts/*.txt", DataSourceError,
+     ["bad source spec 'texts/*.txt'", "did you mean 'text:texts/*.txt'?"]),
+    ("URL glob", "text:gs://bucket/docs/*.txt", DataSourceError,
+     ["'gs://bucket/docs/*.txt'", "local files"]),
+    ("unknown embedded book", "embedded:wells_time_machine", SourceNotFoundError,
+     ["no book(s) ['wells_time_machine']", "did you mean 'wells_the_time_machine'?"]),
+    ("TFDS data dir missing", "tfds:t5x_like_tiny_text@no_tfds_dir", SourceNotFoundError,
+     ["TFDS data_dir 'no_tfds_dir' does not exist"]),
+]
+
+
+@pytest.mark.parametrize("name, spec, error, words", NO_DOCUMENT_CASES,
+                         ids=[c[0] for c in NO_DOCUMENT_CASES])
+def test_a_source_without_documents_is_one_line_naming_it(name, spec, error, words, tmp_path,
+                                                          monkeypatch, caplog):
+  monkeypatch.chdir(tmp_path)
+  _make_files()
+  before = sorted(os.walk("."))
+  with caplog.at_level(logging.WARNING), pytest.raises(error) as info:
+    build_store(source_from_spec(spec), default_vocab("t5"), cache_dir="cache")
+  message = str(info.value)
+  assert isinstance(info.value, UserError) and isinstance(info.value, ValueError)
+  assert "\n" not in message and len(message) < 400, message
+  for word in words:
+    assert word in message, (word, message)
+  assert str(tmp_path) not in message.replace(f"relative to {str(tmp_path)!r}", "")
+  assert not os.path.exists("cache") and sorted(os.walk(".")) == before
+  assert caplog.text == ""  # the one line says it all: no warning per bad document
+
+
+def test_cli_reports_a_source_without_documents(tmp_path, monkeypatch, capfd):
+  """`t5x-like vocab train` with such a source: exit 2, the message, no traceback, no
+  output directory."""
+  monkeypatch.chdir(tmp_path)
+  _make_files()
+  code = cli.main(["vocab", "train", "--source", "jsonl:plain_text/*.jsonl",
+                   "--vocab-size", "700", "--family", "t5", "--out", "vocab_out"])
+  err = capfd.readouterr().err
+  assert code == 2 and "Traceback" not in err
+  assert "'plain_text/book.jsonl' is not JSON lines" in err.strip().splitlines()[-1]
+  assert not os.path.exists("vocab_out")
 
 
 def test_jsonl_counts_malformed_lines_with_file_and_line(tmp_path, caplog):
@@ -138,6 +270,12 @@ def test_tfds_source_reads_array_record(tfds_dir):
   assert sorted(titles) == [f"title {i}" for i in range(4)]
 
 
+class T5xLikeEmptyText(T5xLikeTinyText):
+  """Records whose text is all empty or whitespace."""
+
+  DOCS = ["", "  \n", ""]
+
+
 def test_tfds_source_errors(tfds_dir, tmp_path):
   with pytest.raises(FileNotFoundError, match="no_such_dataset"):
     TfdsSource("no_such_dataset", "train", tfds_dir)
@@ -147,6 +285,22 @@ def test_tfds_source_errors(tfds_dir, tmp_path):
     TfdsSource("t5x_like_tiny_text", "train", str(tmp_path / "nowhere"))
   with pytest.raises(ValueError, match="no feature 'body'"):
     TfdsSource("t5x_like_tiny_text", "train", tfds_dir, field="body")
+  T5xLikeEmptyText(data_dir=tfds_dir, file_format="array_record").download_and_prepare()
+  cases = [
+      (f"tfds:no_such_dataset@{tfds_dir}", SourceNotFoundError,
+       ["TFDS dataset 'no_such_dataset' split 'train' not found", "Dataset no_such_dataset"]),
+      (f"tfds:t5x_like_tiny_text@{tfds_dir}#body", DataSourceError,
+       ["no feature 'body'", "['text', 'title']", "'#FIELD'"]),
+      (f"tfds:t5x_like_empty_text@{tfds_dir}", DataSourceError,
+       ["no document in TFDS dataset 't5x_like_empty_text' split 'train'",
+        "the field 'text' of all 3 records is unusable", "'empty_documents': 3"]),
+  ]
+  for spec, error, words in cases:
+    with pytest.raises(error) as info:
+      source_from_spec(spec)
+    message = str(info.value)
+    assert "\n" not in message and f"{spec!r}" in message, message
+    assert all(word in message for word in words), (words, message)
 
 
 @pytest.mark.parametrize("spec, kind, attrs", [
@@ -181,7 +335,7 @@ def test_tfds_spec_parsing(monkeypatch):
 @pytest.mark.parametrize("spec", ["", "webtext", "text:", "jsonl:", "tfds:", "tfds:a b",
                                   "files:/x/*.txt"])
 def test_bad_specs_list_the_valid_forms(spec):
-  with pytest.raises(ValueError) as info:
+  with pytest.raises(DataSourceError) as info:
     source_from_spec(spec)
   message = str(info.value)
   assert repr(spec) in message

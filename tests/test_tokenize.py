@@ -3,12 +3,16 @@
 import os
 import statistics
 
+import fsspec.implementations.memory
 import numpy as np
 import pytest
+from etils.epath import backend as epath_backend
+from etils.epath import gpath as epath_gpath
 
 from t5x_like.corpus import book_names, read_book
 from t5x_like.data.sentences import split_sentences
-from t5x_like.data.sources import EmbeddedCorpus, TextFiles
+from t5x_like.data.sources import DataSourceError, EmbeddedCorpus, TextFiles
+from t5x_like.data.store import TokenStore
 from t5x_like.data.tokenize import build_store, tokenization_throughput
 from t5x_like.data.vocab import default_vocab
 
@@ -159,3 +163,106 @@ def test_build_store_accepts_a_list_of_texts(tmp_path):
   assert [vocab.decode(store.doc_tokens(d)) for d in range(2)] == ["One. Two.", "Three"]
   assert build_store(texts, vocab, cache_dir=str(tmp_path))[1]["cache"] == "hit"
   assert build_store(texts[:1], vocab, cache_dir=str(tmp_path))[1]["cache"] == "miss"
+
+
+def test_build_store_refuses_documents_without_text(tmp_path):
+  with pytest.raises(DataSourceError, match="none of the 3 documents holds text") as info:
+    build_store(["", "  \n", ""], default_vocab("t5"), cache_dir=str(tmp_path / "cache"))
+  assert "\n" not in str(info.value)
+  assert not (tmp_path / "cache").exists()
+
+
+def test_relative_cache_dir_and_store_paths(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  vocab = default_vocab("t5")
+  store, stats = build_store(["One. Two."], vocab, cache_dir="rel/cache")
+  assert stats["cache"] == "miss"
+  names = sorted(os.listdir(tmp_path / "rel" / "cache"))
+  assert [n.rsplit(".", 1)[-1] for n in names] == ["json", "npz"], names  # no temporary left
+  monkeypatch.chdir(tmp_path / "rel")  # an absolute cache_dir finds the same files
+  assert build_store(["One. Two."], vocab, cache_dir=tmp_path / "rel/cache")[1]["cache"] == "hit"
+  monkeypatch.chdir(tmp_path)
+  store.save("x/store.npz")
+  back = TokenStore.load(str(tmp_path / "x" / "store.npz"))
+  assert np.array_equal(back.tokens, store.tokens)
+  assert np.array_equal(back.doc_sentences, store.doc_sentences)
+
+
+class _FakeBucket(fsspec.implementations.memory.MemoryFileSystem):
+  """An in-memory stand-in for gcsfs: its own store, gs:// paths kept whole."""
+
+  protocol = ("gs", "gcs")
+
+  def __init__(self):
+    super().__init__(skip_instance_cache=True)
+    self.store, self.pseudo_dirs = {}, [""]
+
+
+@pytest.fixture
+def fake_gcs(monkeypatch):
+  """gs:// paths of etils epath served by an in-memory fsspec filesystem."""
+  bucket = _FakeBucket()
+  monkeypatch.setattr(epath_gpath, "_is_tf_installed", lambda: False)  # the fsspec backend
+  monkeypatch.setattr(epath_backend.fsspec_backend, "fs", lambda path: bucket)
+  return bucket
+
+
+def test_build_store_cache_on_a_url(tmp_path, monkeypatch, fake_gcs):
+  """A gs:// cache_dir is written through epath: the files land in the bucket, atomically
+  renamed, and no local folder named "gs:" appears."""
+  monkeypatch.chdir(tmp_path)
+  makedirs = os.makedirs
+  monkeypatch.setattr(os, "makedirs", lambda path, *a, **k: (
+      pytest.fail(f"os.makedirs({path!r})") if "gs:" in os.fspath(path)
+      else makedirs(path, *a, **k)))
+  vocab = default_vocab("t5")
+  texts = ["Call me Ishmael. Some years ago I went to sea.", "", "Another one."]
+  first, stats1 = build_store(texts, vocab, cache_dir="gs://bucket/run/data_cache")
+  second, stats2 = build_store(texts, vocab, cache_dir="gs://bucket/run/data_cache")
+  assert (stats1["cache"], stats2["cache"]) == ("miss", "hit")
+  assert np.array_equal(first.tokens, second.tokens) and second.num_docs == 2
+  names = sorted(k.rsplit("/", 1)[-1] for k in fake_gcs.store)
+  assert [n.rsplit(".", 1)[-1] for n in names] == ["json", "npz"], names
+  assert all(k.startswith("gs://bucket/run/data_cache/tokens-t5-") for k in fake_gcs.store)
+  assert os.listdir(tmp_path) == []
+  with pytest.raises(DataSourceError):  # refused before anything reaches the bucket
+    build_store(["  "], vocab, cache_dir="gs://bucket/other")
+  assert not any("other" in k for k in fake_gcs.store)
+
+
+def test_failed_save_leaves_no_partial_file(tmp_path, monkeypatch):
+  store = TokenStore.from_documents([[np.array([5, 6])]])
+
+  def broken_savez(f, **arrays):
+    f.write(b"PK partial")
+    raise OSError("disk full")
+
+  monkeypatch.setattr(np, "savez", broken_savez)
+  with pytest.raises(OSError, match="disk full"):
+    store.save(tmp_path / "s.npz")
+  assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------ vocabulary paths
+def test_vocabulary_paths_relative_and_wrong(tmp_path, monkeypatch):
+  """load_vocab: relative paths work; a wrong one is a UserError naming it as given."""
+  from t5x_like.data.vocab import VocabularyFileError, VocabularyNotFoundError, load_vocab
+  from t5x_like.errors import UserError
+  monkeypatch.chdir(tmp_path)
+  default_vocab("gpt").save("vocab_dir")
+  assert load_vocab("vocab_dir").family == "gpt"
+  assert load_vocab("vocab_dir/spm.model").path == str(tmp_path / "vocab_dir" / "spm.model")
+  os.makedirs("empty_dir")
+  open("notes.model", "w").write("not a model\n")
+  for path, error, words in [
+      ("no_such_vocab.model", VocabularyNotFoundError, ["'no_such_vocab.model'", "no such file"]),
+      ("empty_dir", VocabularyNotFoundError, ["'empty_dir'", "a directory without spm.model"]),
+      ("notes.model", VocabularyFileError, ["'notes.model' is not a sentencepiece model"])]:
+    with pytest.raises(error) as info:
+      load_vocab(path)
+    message = str(info.value)
+    assert isinstance(info.value, UserError) and "\n" not in message
+    assert all(w in message for w in words), message
+  assert isinstance(info.value, ValueError)
+  with pytest.raises(FileNotFoundError):  # as callers caught it before
+    load_vocab("no_such_vocab.model")

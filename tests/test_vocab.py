@@ -213,18 +213,17 @@ def test_cli_vocab_train_and_encode(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, named", [
     (["--source", "text:/no/such/dir/*.txt", "--vocab-size", "700", "--family", "t5"],
-     "argument --source: no files match '/no/such/dir/*.txt'"),
+     "no files match '/no/such/dir/*.txt'"),
     (["--source", "webtext", "--vocab-size", "700", "--family", "t5"],
-     "argument --source: bad source spec 'webtext'; valid forms: embedded"),
+     "bad source spec 'webtext'; valid forms: embedded"),
     (["--source", "embedded", "--vocab-size", "12", "--family", "t5"], "argument --vocab-size"),
     (["--source", "embedded", "--vocab-size", "many", "--family", "t5"], "argument --vocab-size"),
     (["--source", "embedded", "--vocab-size", "700", "--family", "xlnet"], "argument --family"),
 ])
 def test_cli_vocab_train_names_the_bad_argument(args, named, tmp_path, capsys):
-  with pytest.raises(SystemExit) as exit_info:
-    cli.main(["vocab", "train", "--out", str(tmp_path)] + args)
-  assert exit_info.value.code == 2
-  assert named in capsys.readouterr().err
+  assert cli.main(["vocab", "train", "--out", str(tmp_path)] + args) == 2
+  err = capsys.readouterr().err
+  assert named in err and err.count("\n") == 1, err
 
 
 def test_cli_vocab_train_too_large_a_vocabulary(tmp_path, capsys):

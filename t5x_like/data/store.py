@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import uuid
+
 import numpy as np
+
+from t5x_like.fs import PathLike, resolve_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,21 +79,28 @@ class TokenStore:
     return cls(tokens, offsets, np.asarray(doc_sentences, np.int64))
 
   # ------------------------------------------------------------------ files
-  def save(self, path: str) -> None:
+  def save(self, path: PathLike) -> None:
     """Writes one uncompressed .npz atomically (a rename after the write).
 
-    The temporary name is per process: the hosts of a multi-host run on one shared
+    `path` is local (relative or absolute) or a URL (gs://...), through etils epath. The
+    temporary name is unique per writer: the hosts of a multi-host run on one shared
     filesystem may all build and save the same store at once.
     """
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}.npz"
-    np.savez(tmp, tokens=self.tokens, sentence_offsets=self.sentence_offsets,
-             doc_sentences=self.doc_sentences)
-    os.replace(tmp, path)
+    path = resolve_path(path, "token store")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f"{path.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}.npz"
+    try:
+      with tmp.open("wb") as f:
+        np.savez(f, tokens=self.tokens, sentence_offsets=self.sentence_offsets,
+                 doc_sentences=self.doc_sentences)
+      tmp.replace(path)
+    except BaseException:  # a failed write or rename leaves no partial file behind
+      tmp.unlink(missing_ok=True)
+      raise
 
   @classmethod
-  def load(cls, path: str) -> "TokenStore":
-    with np.load(path) as f:
+  def load(cls, path: PathLike) -> "TokenStore":
+    with resolve_path(path, "token store").open("rb") as fh, np.load(fh) as f:
       return cls(f["tokens"], f["sentence_offsets"], f["doc_sentences"])
 
 

@@ -13,17 +13,21 @@ import itertools
 import json
 import os
 import time
+import uuid
 
 import numpy as np
 
 from t5x_like.data.sentences import split_sentences
+from t5x_like.data.sources import DataSourceError
 from t5x_like.data.store import TokenStore
+from t5x_like.fs import PathLike, resolve_path
 
 # Bump when the splitter or the layout of the store changes: old caches become stale.
 STORE_FORMAT_VERSION = 1
 
 
-def build_store(source, vocab, *, cache_dir: str | None = None, num_threads: int | None = None,
+def build_store(source, vocab, *, cache_dir: PathLike | None = None,
+                num_threads: int | None = None,
                 batch_sentences: int = 20_000, max_sentence_chars: int = 2000
                 ) -> tuple[TokenStore, dict]:
   """Tokenizes every document of `source` into a TokenStore.
@@ -34,21 +38,28 @@ def build_store(source, vocab, *, cache_dir: str | None = None, num_threads: int
   Each document is split into sentences (sentences.split_sentences), sentences are
   encoded in batches of `batch_sentences` on `num_threads` threads (default: all
   cores). Unusable documents (the source returns "") and sentences without tokens
-  are dropped and counted. With `cache_dir`, the store is saved under a key hashing
-  (source identity, vocabulary bytes, splitter settings) and loaded on the next call.
+  are dropped and counted. With `cache_dir` (local, relative or absolute, or a URL such
+  as gs://...), the store is saved under a key hashing (source identity, vocabulary
+  bytes, splitter settings) and loaded on the next call.
+
+  DataSourceError (naming the source) when no document yields a token; nothing is
+  written then.
 
   Returns (store, stats): stats has documents, skipped_documents, sentences,
   dropped_sentences, tokens, characters, seconds, tokens_per_second, cache
   ("off" | "miss" | "hit") and source (the source's bad-input counters).
   """
-  cache_path = None
+  npz_path = json_path = None
   if cache_dir is not None:
     key = _cache_key(source, vocab, max_sentence_chars)
-    cache_path = os.path.join(cache_dir, f"tokens-{vocab.family}-{key[:24]}")
-    if os.path.exists(cache_path + ".npz") and os.path.exists(cache_path + ".json"):
-      with open(cache_path + ".json") as f:
-        stats = json.load(f)
-      return TokenStore.load(cache_path + ".npz"), dict(stats, cache="hit")
+    # Through epath: a gs:// cache_dir is a bucket, never a local folder named "gs:".
+    cache, name = resolve_path(cache_dir, "cache_dir"), f"tokens-{vocab.family}-{key[:24]}"
+    npz_path, json_path = cache / f"{name}.npz", cache / f"{name}.json"
+    if npz_path.exists() and json_path.exists():  # the .json is written last
+      stats = json.loads(json_path.read_text())
+      store = TokenStore.load(npz_path)
+      _require_tokens(store, source)
+      return store, dict(stats, cache="hit")
 
   start = time.perf_counter()
   token_chunks, length_chunks, doc_chunks = [], [], []
@@ -106,13 +117,24 @@ def build_store(source, vocab, *, cache_dir: str | None = None, num_threads: int
                tokens=store.num_tokens, seconds=round(seconds, 3),
                tokens_per_second=round(store.num_tokens / max(seconds, 1e-9)),
                source=source.stats.as_dict() if hasattr(source, "stats") else {})
-  if cache_path is not None:
-    store.save(cache_path + ".npz")
-    tmp = f"{cache_path}.json.tmp{os.getpid()}"  # several processes may build at once
-    with open(tmp, "w") as f:
-      json.dump(stats, f, indent=1)
-    os.replace(tmp, cache_path + ".json")
-  return store, dict(stats, cache="off" if cache_path is None else "miss")
+  _require_tokens(store, source)  # before anything is written
+  if npz_path is not None:
+    store.save(npz_path)
+    # Several processes (hosts on one shared filesystem) may build at once.
+    tmp = json_path.with_name(f"{json_path.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(stats, indent=1))
+    tmp.replace(json_path)
+  return store, dict(stats, cache="off" if npz_path is None else "miss")
+
+
+def _require_tokens(store: TokenStore, source) -> None:
+  """DataSourceError naming `source` when the store holds no document."""
+  if store.num_docs:
+    return
+  spec = getattr(source, "spec", None)
+  what = f"source {spec!r}: none of its" if spec else "none of the"
+  raise DataSourceError(f"{what} {len(source)} documents holds text to tokenize (all empty"
+                        " or whitespace only); nothing to train on")
 
 
 def _encode_flat(vocab, sentences, num_threads):

@@ -32,6 +32,9 @@ from typing import Iterable, Sequence
 import numpy as np
 import sentencepiece as spm
 
+from t5x_like.errors import UserError
+from t5x_like.fs import PathLike, is_url, resolve_path
+
 FAMILIES = ("bert", "t5", "gpt")
 NUM_SENTINELS = 100  # T5 only
 WORD_MARK = "\u2581"  # sentencepiece's "▁": a space before the piece
@@ -223,25 +226,41 @@ def infer_family(sp: spm.SentencePieceProcessor) -> str:
                    " pass family=")
 
 
-def load_vocab(path: str, family: str | None = None) -> Vocabulary:
+class VocabularyFileError(UserError, ValueError):
+  """A vocabulary path without a usable sentencepiece model; the message names the path."""
+
+
+class VocabularyNotFoundError(VocabularyFileError, FileNotFoundError):
+  """No sentencepiece model at a vocabulary path."""
+
+
+def load_vocab(path: PathLike, family: str | None = None) -> Vocabulary:
   """Loads a vocabulary from a .model file or a directory holding spm.model.
 
-  The family comes from `family`, else vocab.json next to the model, else the
-  special-id layout of the model itself.
+  `path` is local (relative or absolute) or a URL (gs://...). The family comes from
+  `family`, else vocab.json next to the model, else the special-id layout of the model
+  itself. VocabularyNotFoundError / VocabularyFileError name `path` as given.
   """
-  path = os.fspath(path)
-  model_path = os.path.join(path, "spm.model") if os.path.isdir(path) else path
-  if not os.path.isfile(model_path):
-    raise FileNotFoundError(f"no sentencepiece model at {model_path}")
-  with open(model_path, "rb") as f:
-    model_bytes = f.read()
-  meta_path = os.path.join(os.path.dirname(model_path), "vocab.json")
-  if family is None and os.path.isfile(meta_path):
-    with open(meta_path) as f:
-      family = json.load(f).get("family")
+  shown = os.fspath(path)
+  root = resolve_path(shown, "vocabulary")
+  model_path = root / "spm.model" if root.is_dir() else root
+  if not model_path.is_file():
+    absolute = is_url(shown) or os.path.isabs(os.path.expanduser(shown))
+    where = "" if absolute else f" (relative to {os.getcwd()!r})"
+    why = "a directory without spm.model" if root.is_dir() else "no such file"
+    raise VocabularyNotFoundError(f"no sentencepiece model at {shown!r}{where}: {why}")
+  model_bytes = model_path.read_bytes()
+  try:
+    sp = spm.SentencePieceProcessor(model_proto=model_bytes)
+  except RuntimeError:  # sentencepiece: "INTERNAL: ... ParseFromArray ..."
+    what = repr(shown) if model_path == root else f"spm.model in {shown!r}"
+    raise VocabularyFileError(f"{what} is not a sentencepiece model") from None
+  meta_path = model_path.parent / "vocab.json"
+  if family is None and meta_path.is_file():
+    family = json.loads(meta_path.read_text()).get("family")
   if family is None:
-    family = infer_family(spm.SentencePieceProcessor(model_proto=model_bytes))
-  return Vocabulary(model_bytes, family, path=model_path)
+    family = infer_family(sp)
+  return Vocabulary(model_bytes, family, path=os.fspath(model_path))
 
 
 def default_vocab(family: str) -> Vocabulary:

@@ -22,7 +22,7 @@ def add_parser(subparsers) -> None:
   sub = vocab.add_subparsers(dest="vocab_command", required=True)
 
   train = sub.add_parser("train", help=_cmd_train.__doc__)
-  train.add_argument("--source", required=True, type=_source_spec,
+  train.add_argument("--source", required=True,
                      help="embedded | text:GLOB | jsonl:GLOB[:FIELD] |"
                           " tfds:NAME[/CONFIG][:SPLIT][@DATA_DIR][#FIELD]")
   train.add_argument("--vocab-size", required=True, type=_vocab_size,
@@ -49,14 +49,6 @@ def add_parser(subparsers) -> None:
 
 
 # ------------------------------------------------------------------ argument types
-def _source_spec(spec: str):
-  from t5x_like.data.sources import source_from_spec
-  try:
-    return source_from_spec(spec)
-  except (ValueError, FileNotFoundError) as e:
-    raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def _int_at_least(minimum: int, why: str):
   """An argparse type: an integer >= minimum, else an error saying `why`."""
 
@@ -85,10 +77,12 @@ def _out_dir(value: str) -> str:
 # ------------------------------------------------------------------ commands
 def _cmd_train(args) -> int:
   """Trains a vocabulary on a source and writes OUT/spm.model and OUT/vocab.json."""
+  from t5x_like.data.sources import source_from_spec
   from t5x_like.data.vocab import train_vocab
   start = time.perf_counter()
+  source = source_from_spec(args.source)  # a DataSourceError names the spec and path
   try:
-    vocab = train_vocab(iter(args.source), vocab_size=args.vocab_size, family=args.family,
+    vocab = train_vocab(iter(source), vocab_size=args.vocab_size, family=args.family,
                         out_dir=args.out, model_type=args.model_type, seed=args.seed,
                         num_threads=args.threads, max_sentences=args.max_sentences)
   except RuntimeError as e:  # sentencepiece: e.g. "Vocabulary size too high"
@@ -98,7 +92,7 @@ def _cmd_train(args) -> int:
   print(json.dumps(dict(path=vocab.path, family=vocab.family, vocab_size=vocab.vocab_size,
                         model_bytes=len(vocab.model_bytes),
                         seconds=round(time.perf_counter() - start, 2),
-                        source=args.source.stats.as_dict())))
+                        source=source.stats.as_dict())))
   return 0
 
 
