@@ -280,7 +280,7 @@ def state(step):
   w = np.arange(64 * 128, dtype=np.float32).reshape(64, 128) / 7 + step
   return {"w": jax.make_array_from_callback(w.shape, sharding, lambda i: w[i])}
 abstract = {"w": jax.ShapeDtypeStruct((64, 128), np.float32, sharding=sharding)}
-ckpt = Checkpointer(directory, keep=3)
+ckpt = Checkpointer(directory, keep=2)  # step 1 goes once step 3 is sealed on both hosts
 for step in (1, 2, 3):
   ckpt.save(step, state(step), {"data": {"next": step}})
 ckpt.wait()
@@ -327,5 +327,15 @@ def test_two_hosts_agree_when_only_one_fails_to_read(tmp_path):
   for got in results:
     assert got == {"step": 2, "extra": {"data": {"next": 2}}, "values_ok": True,
                    "resaved": True, "again": 3}, got
-  assert "checkpoint step 3" in outputs[1] and "corrupt or partial" in outputs[1]
-  assert len(list((tmp_path / "ckpt").glob("3.corrupt-*"))) == 1
+  for out in outputs:  # both hosts name the file, whichever host hashed it
+    assert "checkpoint step 3" in out and "corrupt or partial" in out
+    assert "3/state/ocdbt.process_1/d/" in out and "size differs" in out
+  directory = tmp_path / "ckpt"
+  assert len(list(directory.glob("3.corrupt-*"))) == 1
+  assert sorted(p.name for p in directory.iterdir() if p.name.isdigit()) == ["2", "3"]
+  # Each host hashed the files it wrote; process 0 the shared ones too.
+  listed = [json.loads((directory / "2" / f"checksums.process_{k}.json").read_text())["files"]
+            for k in (0, 1)]
+  assert listed[1] and all("process_1" in name for name in listed[1]), listed[1]
+  assert not any("process_1" in name for name in listed[0])
+  assert "commit_success.txt" in listed[0] and "state/ocdbt.process_0/manifest.ocdbt" in listed[0]

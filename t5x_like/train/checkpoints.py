@@ -1,23 +1,33 @@
-"""Checkpoints: async orbax saves, keep the last K, resume past corrupt or partial steps.
+"""Checkpoints: async orbax saves, keep the last K, checksums, resume past bad steps.
 
 Each step directory `<directory>/<step>/` holds two items:
   state/  any pytree of jax arrays (sharded or not); every host writes its own shards.
   extra/  a small JSON dict written by process 0: the data iterator state, a config
           hash, ... It must be the same on every host (t5x_like's loader state is).
-Restoring takes an abstract state whose leaves carry the target shardings, so a
-checkpoint saved on one mesh restores onto any other (or onto one device).
+and, once orbax has committed it, `checksums.process_<k>.json`: every file's sha256,
+each host hashing the files it wrote (see checkpoint_integrity). Restoring takes an
+abstract state whose leaves carry the target shardings, so a checkpoint saved on one mesh
+restores onto any other (or onto one device).
 
-A step is partial when orbax's commit marker or an item directory is missing, and
-corrupt when reading it fails on any host. `restore_latest` logs a warning naming the
-step and why, and tries the previous step; the bad directory is renamed aside to
-`<step>.corrupt-<ns>` (kept for a human; a later save of that step does not collide).
-Unfinished saves (`<step>.orbax-checkpoint-tmp-*`) are never listed and never deleted.
+A step is partial when orbax's commit marker, an item directory or a checksum manifest
+is missing, and corrupt when a file differs from its checksum or reading it fails on any
+host. `restore_latest` logs a warning naming the step, the file and why, and tries the
+previous step; the bad directory is renamed aside to `<step>.corrupt-<ns>` (kept intact
+for a human; a later save of that step does not collide). Unfinished saves
+(`<step>.orbax-checkpoint-tmp*`) are never listed, and deleted only by orbax saving that
+very step again or when a full disk interrupted them. Anything else in the directory is
+not ours: left alone and reported, and refused outright when it has a step's name (a
+save would collide with it).
+Before each save the free space is compared with what the save writes: a full disk is a
+one-line CheckpointSpaceError, never a half-written step in place of a good one.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import threading
 import time
 from typing import Any, NamedTuple, Optional
 
@@ -27,12 +37,24 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from t5x_like import fs
+from t5x_like.errors import UserError
+from t5x_like.train import checkpoint_integrity as integrity
+from t5x_like.train import checkpoint_space as space
+from t5x_like.train.checkpoint_integrity import (  # noqa: F401  (the public names)
+    COMMIT_MARKER, EXTRA, STATE, TMP_MARKER, CheckpointDirectoryError, CorruptCheckpointError,
+    PartialCheckpointError)
+
 log = logging.getLogger(__name__)
 
-STATE, EXTRA = "state", "extra"
-COMMIT_MARKER = "commit_success.txt"  # orbax writes it last, just before the final rename
-TMP_MARKER = ".orbax-checkpoint-tmp"  # an unfinished save: orbax never lists it as a step
 CORRUPT_MARKER = ".corrupt-"
+_SEAL_TIMEOUT_MS = 1200 * 1000  # as orbax's own save barriers: a host hashing its share
+_SEAL_BARRIERS = itertools.count()  # every host saves in the same order: same keys
+_DROP_DISK_FULL = space.DropDiskFull()
+
+__all__ = ["Checkpointer", "Restored", "CorruptCheckpointError", "PartialCheckpointError",
+           "IncompatibleCheckpointError", "CheckpointNotFoundError", "CheckpointSpaceError",
+           "CheckpointDirectoryError", "find_checkpoint", "restore_params"]
 
 
 class Restored(NamedTuple):
@@ -41,32 +63,39 @@ class Restored(NamedTuple):
   extra: dict
 
 
-class CorruptCheckpointError(RuntimeError):
-  """A step directory that is partial or cannot be read."""
-
-
-class PartialCheckpointError(CorruptCheckpointError):
-  """A step directory whose save never committed (no marker, an item missing)."""
-
-
-class IncompatibleCheckpointError(ValueError):
+class IncompatibleCheckpointError(UserError, ValueError):
   """A readable checkpoint whose arrays do not match the abstract state asked for."""
 
 
+class CheckpointNotFoundError(UserError, FileNotFoundError):
+  """No checkpoint (or not the step asked for) where a command was told to read one."""
+
+
+class CheckpointSpaceError(UserError):
+  """Not enough free disk for a checkpoint; the earlier checkpoints are intact."""
+
+
 class Checkpointer:
-  """An orbax CheckpointManager over `directory` (a local path or gs://...).
+  """An orbax CheckpointManager over `directory` (a local path, relative or absolute, or
+  gs://...).
 
   keep: how many of the newest steps to keep (None keeps all).
   async_save: write in a background thread; `save` returns once arrays are on host.
-  Every method is called on every host.
+  Every method is called on every host. CheckpointDirectoryError when `directory` holds
+  an entry with a step's name that no Checkpointer wrote.
   """
 
   def __init__(self, directory, *, keep: Optional[int] = 3, async_save: bool = True):
     if keep is not None and keep < 1:
       raise ValueError(f"Checkpointer: keep must be >= 1 or None, got {keep}")
-    self.directory = epath.Path(directory)
+    self.directory = fs.resolve_path(directory, "checkpoint directory")  # orbax: absolute
+    self.keep, self._async = keep, async_save
+    integrity.check_entries(self.directory)
+    for logger in ("absl", "asyncio"):  # orbax's threads; its futures left unretrieved
+      logging.getLogger(logger).addFilter(_DROP_DISK_FULL)
     options = ocp.CheckpointManagerOptions(
-        preservation_policy=ocp.checkpoint_managers.LatestN(keep) if keep else None,
+        # No preservation policy: steps past `keep` go once the new step is sealed (its
+        # checksums written), not when orbax commits it.
         enable_async_checkpointing=async_save,
         # Another process (an eval job) may be mid-save here: never delete tmp dirs.
         cleanup_tmp_directories=False)
@@ -76,34 +105,48 @@ class Checkpointer:
                        EXTRA: ocp.JsonCheckpointHandler()})
     self._state_handler = ocp.StandardCheckpointHandler()  # for reads: see `restore`
     self._extra_handler = ocp.JsonCheckpointHandler()
-    unfinished = sorted(p.name for p in self.directory.iterdir() if TMP_MARKER in p.name
-                        ) if self.directory.exists() else []
-    if unfinished and jax.process_index() == 0:
-      log.warning("checkpoints in %s: ignoring unfinished save(s) %s (interrupted, or in "
-                  "progress in another process)", self.directory, unfinished)
+    self._sealing: Optional[_Sealing] = None
 
   def save(self, step: int, state: Any, extra: dict, *, force: bool = False) -> bool:
     """Saves `state` and the JSON dict `extra` at `step`; True if a save was started.
 
     False when `step` is already on disk, or orbax's save policy declines it (a step
     not after the latest) and not `force`. Asynchronous saves copy the arrays to host
-    before returning, so the caller may donate them right after.
+    before returning, so the caller may donate them right after. CheckpointSpaceError
+    when the disk cannot hold it (checked before writing) or filled up while the
+    previous asynchronous save was written.
     """
     step = int(step)
-    if step in self._manager.all_steps():
+    self._settle()
+    if step in self._manager.all_steps() or not (force or self._manager.should_save(step)):
       return False
+    needed = self._check_space(step, state, extra)
     args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state),
                                  EXTRA: ocp.args.JsonSave(_jsonable(extra))})
-    return bool(self._manager.save(step, args=args, force=force))
+    try:
+      started = self._manager.save(step, args=args, force=force, custom_metadata={
+          integrity.CHECKSUMS_KEY: integrity.ALGORITHM})
+    except Exception as e:  # noqa: BLE001  (a full disk is the user's to fix: one line)
+      if space.is_disk_full(e):
+        raise self._disk_filled_up(step, needed) from e
+      raise
+    if started:
+      self._sealing = _Sealing(self, step, needed, background=self._async)
+      if not self._async:
+        self._settle()
+    return bool(started)
 
   def wait(self) -> None:
-    """Blocks until every started save is committed."""
-    self._manager.wait_until_finished()
+    """Blocks until every started save is committed and sealed (raises its failure)."""
+    self._settle()
 
   def close(self) -> None:
     """Waits for pending saves and releases the manager."""
-    self._manager.close()
-    self._state_handler.close()
+    try:
+      self._settle()
+    finally:
+      self._manager.close()
+      self._state_handler.close()
 
   def __enter__(self) -> "Checkpointer":
     return self
@@ -123,34 +166,33 @@ class Checkpointer:
     """The checkpoint at `step`, placed as `abstract_state` says.
 
     abstract_state: pytree of jax.ShapeDtypeStruct with `.sharding` set (any mesh).
-    Raises PartialCheckpointError (never committed), CorruptCheckpointError (reading
-    failed on some host) or IncompatibleCheckpointError (other array names or shapes).
+    Raises PartialCheckpointError (never finished), CorruptCheckpointError (a file
+    differs from its checksum, or reading failed on some host) or
+    IncompatibleCheckpointError (other array names or shapes).
     """
     step = int(step)
     path = self.directory / str(step)
-    restored, partial, error, mismatch = None, _missing_parts(path), None, None
-    if partial is None:
-      # The item handlers directly, not the manager: its restore ends in a barrier that
-      # a host whose read failed would skip, deadlocking the others. Here every host
-      # reaches the one agreement below whatever happened.
-      try:
-        restored = Restored(
-            step,
-            self._state_handler.restore(path / STATE,
-                                        args=ocp.args.StandardRestore(abstract_state)),
-            self._extra_handler.restore(path / EXTRA, args=ocp.args.JsonRestore()))
-      except Exception as e:  # noqa: BLE001  (any read failure means: not usable)
-        error = _describe(e)
-        mismatch = self._mismatch(path, abstract_state)
-    outcome = _max_over_hosts(3 if mismatch else 2 if error else 1 if partial else 0)
-    if outcome == 3:
+    integrity.verify(path)  # before orbax reads a byte; raises the same on every host
+    restored, error, mismatch = None, None, None
+    # The item handlers directly, not the manager: its restore ends in a barrier that a
+    # host whose read failed would skip, deadlocking the others. Here every host reaches
+    # the one agreement below whatever happened.
+    try:
+      restored = Restored(
+          step,
+          self._state_handler.restore(path / STATE,
+                                      args=ocp.args.StandardRestore(abstract_state)),
+          self._extra_handler.restore(path / EXTRA, args=ocp.args.JsonRestore()))
+    except Exception as e:  # noqa: BLE001  (any read failure means: not usable)
+      error = _describe(e)
+      mismatch = self._mismatch(path, abstract_state)
+    outcome = _max_over_hosts(2 if mismatch else 1 if error else 0)
+    if outcome == 2:
       raise IncompatibleCheckpointError(
           f"checkpoint step {step} in {self.directory} does not match the state to restore "
           f"({mismatch or 'on another host'}); was the model or optimizer config changed?")
-    if outcome == 2:
-      raise CorruptCheckpointError(error or "reading it failed on another host")
     if outcome == 1:
-      raise PartialCheckpointError(partial)
+      raise CorruptCheckpointError(error or "reading it failed on another host")
     return restored
 
   def restore_latest(self, abstract_state: Any) -> Optional[Restored]:
@@ -186,7 +228,7 @@ class Checkpointer:
       raise CorruptCheckpointError(
           f"no checkpoint in {self.directory} could be read ("
           + "; ".join(f"step {bad}: {e}" for bad, e in unreadable) + "); "
-          f"move the broken step directories aside to start over")
+          "move the broken step directories aside to start over")
     return None
 
   def _quarantine(self, step: int) -> None:
@@ -202,6 +244,69 @@ class Checkpointer:
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f"checkpoints_quarantine_{step}")
     self._manager.reload()
+
+  # ---------------------------------------------------------------- the end of a save
+  def _settle(self) -> None:
+    """Finishes the save in flight on every host and raises its failure, agreed over
+    hosts: CheckpointSpaceError for a full disk (its unfinished step removed)."""
+    sealing, self._sealing = self._sealing, None
+    if sealing is None:
+      return
+    error = sealing.join()
+    # Orbax raises a failed save once per calling thread, and a failed save leaves some
+    # of its threads running, whose errors a later call would raise: drained here.
+    error = _call_for_error(self._manager.wait_until_finished, error)
+    if error is not None:
+      space.join_orbax_writers()
+      error = _call_for_error(self._manager.check_for_errors, error)
+    outcome = _max_over_hosts(2 if space.is_disk_full(error) else 1 if error else 0)
+    if outcome == 2:
+      raise self._disk_filled_up(sealing.step, sealing.needed) from error
+    if self.keep is not None:
+      self._manager.reload()  # process 0 may have dropped steps past `keep`
+    if outcome == 1:
+      raise error or RuntimeError(f"checkpoint step {sealing.step}: saving it failed on "
+                                  "another host")
+
+  def _check_space(self, step: int, state: Any, extra: dict) -> int:
+    """The bytes this save needs; CheckpointSpaceError (before writing) if not free."""
+    needed = space.needed_bytes(state, extra)
+    free = space.free_bytes(self.directory)
+    if _max_over_hosts(int(free is not None and free < needed)):
+      raise CheckpointSpaceError(space.message(
+          step, f"not enough space in {self.directory} (nothing written)", needed, free,
+          self._resume_step()))
+    return needed
+
+  def _disk_filled_up(self, step: int, needed: int) -> CheckpointSpaceError:
+    """Removes the unfinished save of `step` (nothing else) after a full disk stopped it."""
+    space.join_orbax_writers()
+    if jax.process_index() == 0:
+      for path in (self.directory / f"{step}{TMP_MARKER}", self.directory / str(step)):
+        # <step>/ only when orbax committed it but the checksums did not fit: unsealed.
+        if path.exists() and (path.name != str(step) or integrity.unfinished(path)):
+          path.rmtree()
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"checkpoints_disk_full_{step}")
+    self._manager.reload()
+    return CheckpointSpaceError(space.message(
+        step, f"the disk filled up while writing it to {self.directory} (the unfinished save"
+        " is removed)", needed, space.free_bytes(self.directory), self._resume_step()))
+
+  def _resume_step(self) -> Optional[int]:
+    steps = [s for s in self._manager.all_steps()
+             if integrity.missing_parts(self.directory / str(s)) is None]
+    return max(steps, default=None)
+
+  def _prune(self, newest: int) -> None:
+    """Deletes (process 0) the committed steps older than the newest `keep`."""
+    if self.keep is None:
+      return
+    steps = sorted(int(p.name) for p in self.directory.iterdir()
+                   if integrity.STEP_NAME.match(p.name) and (p / COMMIT_MARKER).exists())
+    for old in steps[:-self.keep]:
+      if old != newest:
+        (self.directory / str(old)).rmtree()
 
   def _mismatch(self, path: epath.Path, abstract_state: Any) -> Optional[str]:
     """How the saved array names/shapes differ from `abstract_state`; None if not known."""
@@ -220,16 +325,53 @@ class Checkpointer:
     return ", ".join(parts) or None
 
 
-def _missing_parts(path: epath.Path) -> Optional[str]:
-  """Why `path` is not a complete step directory, or None."""
-  if not path.exists():
-    return f"{path} does not exist"
-  if not (path / COMMIT_MARKER).exists():
-    return f"no {COMMIT_MARKER}: the save did not finish"
-  for item in (STATE, EXTRA):
-    if not (path / item).is_dir():
-      return f"item directory '{item}' is missing"
-  return None
+class _Sealing:
+  """The end of one save, on a thread of its own when asynchronous: waits for orbax's
+  commit, writes this host's checksums, then (process 0, once every host has sealed)
+  deletes the steps past `keep`. Every host reaches the barrier, whatever failed."""
+
+  def __init__(self, checkpointer: Checkpointer, step: int, needed: int, background: bool):
+    self.step, self.needed, self.error = step, needed, None
+    self._ckpt = checkpointer
+    self._barrier = f"t5x_like_checkpoint_sealed_{step}_{next(_SEAL_BARRIERS)}"
+    self._thread = None
+    if background:  # not a daemon: a process exiting mid-seal finishes it first
+      self._thread = threading.Thread(target=self._run, name=f"checkpoint_seal_{step}")
+      self._thread.start()
+    else:
+      self._run()
+
+  def join(self) -> Optional[BaseException]:
+    if self._thread is not None:
+      self._thread.join()
+    return self.error
+
+  def _run(self) -> None:
+    ckpt, path = self._ckpt, self._ckpt.directory / str(self.step)
+    try:
+      ckpt._manager.wait_until_finished()  # pylint: disable=protected-access
+      integrity.seal(path, jax.process_index(), jax.process_count())
+    except BaseException as e:  # noqa: BLE001  (raised by `Checkpointer._settle`)
+      self.error = e
+    try:
+      if jax.process_count() > 1:  # a key-value barrier: safe off the main thread
+        ocp.multihost.get_barrier_sync_fn()(key=self._barrier, timeout_ms=_SEAL_TIMEOUT_MS)
+    except Exception as e:  # noqa: BLE001
+      self.error = self.error or e
+    if jax.process_index() == 0 and self.error is None and not integrity.unfinished(path):
+      try:
+        ckpt._prune(self.step)  # pylint: disable=protected-access
+      except OSError as e:  # an old step left behind is no reason to stop a run
+        log.warning("checkpoints in %s: could not delete old steps: %s", ckpt.directory, e)
+
+
+def _call_for_error(fn, error: Optional[BaseException]) -> Optional[BaseException]:
+  """Calls `fn`; `error`, or else what `fn` raised."""
+  try:
+    fn()
+  except Exception as e:  # noqa: BLE001
+    return error or e
+  return error
 
 
 def _describe(error: Exception) -> str:
@@ -240,9 +382,7 @@ def _describe(error: Exception) -> str:
 
 def _max_over_hosts(code: int) -> int:
   """The largest `code` over all processes (one collective when multi-host)."""
-  if jax.process_count() == 1:
-    return code
-  return int(np.max(multihost_utils.process_allgather(np.int32(code))))
+  return int(integrity.gather_over_hosts([code])[:, 0].max())
 
 
 def _dotted(path) -> str:
@@ -263,26 +403,28 @@ def _jsonable(extra: dict) -> dict:
 # ------------------------------------------------------------------ params only
 def find_checkpoint(path, step: Optional[int] = None) -> epath.Path:
   """The `<step>/` directory that `path` names: a train workdir (its checkpoints/),
-  a checkpoints directory (its newest committed step, or `step`), or a step directory.
-  FileNotFoundError saying what was looked for otherwise."""
-  path = epath.Path(path)
+  a checkpoints directory (its newest finished step, or `step`), or a step directory;
+  local (relative or absolute) or a URL. CheckpointNotFoundError saying what was looked
+  for otherwise."""
+  path = fs.resolve_path(path, "checkpoint")
   if (path / STATE).is_dir():
     if step is not None and path.name != str(step):
-      raise ValueError(f"{path} is the checkpoint of step {path.name}, not step {step}")
+      raise CheckpointNotFoundError(f"{path} is the checkpoint of step {path.name}, not step {step}")
     return path
   if (path / "checkpoints").is_dir():
     path = path / "checkpoints"
   if not path.is_dir():
-    raise FileNotFoundError(f"no checkpoint at {path}: expected a train workdir, its"
-                            " checkpoints/ directory, or one step directory")
+    raise CheckpointNotFoundError(f"no checkpoint at {path}: expected a train workdir, its"
+                                  " checkpoints/ directory, or one step directory")
   steps = sorted(int(p.name) for p in path.iterdir()
-                 if p.name.isdigit() and _missing_parts(p) is None)
+                 if integrity.STEP_NAME.match(p.name) and integrity.is_finished(p))
   if not steps:
-    raise FileNotFoundError(f"no committed checkpoint step in {path}")
+    raise CheckpointNotFoundError(f"no committed checkpoint step in {path}")
   if step is None:
     return path / str(steps[-1])
   if step not in steps:
-    raise FileNotFoundError(f"no committed checkpoint step {step} in {path}; have {steps}")
+    raise CheckpointNotFoundError(
+        f"no committed checkpoint step {step} in {path}; have {steps}")
   return path / str(step)
 
 
@@ -291,10 +433,12 @@ def restore_params(path, abstract_params: Any, step: Optional[int] = None
   """(step, params) of a train checkpoint, without its optimizer state.
 
   path: as find_checkpoint. abstract_params: pytree of jax.ShapeDtypeStruct with
-  .sharding (the params are placed so, any mesh). IncompatibleCheckpointError names
-  the params whose names or shapes differ.
+  .sharding (the params are placed so, any mesh). Every file is checked against its
+  checksum first (CorruptCheckpointError names the first that differs);
+  IncompatibleCheckpointError names the params whose names or shapes differ.
   """
   directory = find_checkpoint(path, step)
+  integrity.verify(directory)
   target = {"params": abstract_params}
   handler = ocp.PyTreeCheckpointHandler()
   try:
