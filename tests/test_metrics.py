@@ -7,9 +7,11 @@ import math
 import os
 import struct
 
+import fsspec.implementations.memory
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from etils.epath import backend as epath_backend
 from tensorboardX.proto import event_pb2
 
 from t5x_like.train.metrics import MetricWriter, read_jsonl, summarize_train_metrics
@@ -62,6 +64,38 @@ def _scalars(logdir):
 def _raw_rows(path):
   with open(path) as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+class _MemoryBucket(fsspec.implementations.memory.MemoryFileSystem):
+  """An in-memory stand-in for gcsfs with its own store (tests/test_workdir.py runs the
+  real gcsfs against a GCS emulator)."""
+
+  protocol = ("gs", "gcs")
+
+  def __init__(self):
+    super().__init__(skip_instance_cache=True)
+    self.store, self.pseudo_dirs = {}, [""]
+
+
+def test_url_workdir_goes_through_fsspec_never_local_files(tmp_path, monkeypatch):
+  """A gs:// workdir: rows and events land in the bucket (whole files rewritten, as
+  object stores do not append), read_jsonl reads them back, and nothing local appears."""
+  bucket = _MemoryBucket()
+  monkeypatch.setattr(epath_backend.fsspec_backend, "fs", lambda path: bucket)
+  monkeypatch.chdir(tmp_path)
+  with MetricWriter("gs://b/run", total_steps=3, console=False,
+                    remote_flush_seconds=0) as writer:
+    writer.write_scalars(1, {"loss": 2.5})
+    writer.write_scalars(2, {"loss": 2.25})
+    assert read_jsonl("gs://b/run/metrics.jsonl") == [{"step": 1, "loss": 2.5},
+                                                      {"step": 2, "loss": 2.25}]
+    writer.truncate_after(1)
+    writer.write_scalars(2, {"loss": 2.0})
+  assert [json.loads(line) for line in bucket.cat_file("gs://b/run/metrics.jsonl").splitlines()
+          ] == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.0}]
+  events = sorted(k for k in bucket.store if "/tensorboard/events.out.tfevents." in k)
+  assert len(events) == 2  # the second one starts with the purge marker
+  assert os.listdir(tmp_path) == []
 
 
 def test_jsonl_rows_and_tensorboard_scalars(tmp_path):

@@ -12,6 +12,12 @@ train row's step joins it). `truncate_after(s)` also removes the stale rows from
 file and hides the stale TensorBoard events (a purge marker, as tensorboardX's
 `purge_step`); calling it on resume is tidy but not needed for `read_jsonl`.
 Metric values must be fetchable on this host (replicated or addressable arrays).
+
+URL workdirs (gs://, s3://, ...): object stores cannot append, so both files are kept
+in memory and rewritten whole (as TensorFlow's own GCS writer does), at most every
+`remote_flush_seconds` (GCS allows about one write a second to an object) and on
+flush() / close(); an event file rolls over past 4 MiB to bound each upload. A run
+killed between flushes loses the rows since the last one.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
+import struct
 import sys
 import time
 from typing import Any, Mapping, Optional
@@ -27,12 +35,15 @@ import numpy as np
 from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import Summary
+from tensorboardX.record_writer import masked_crc32c
 from tqdm import tqdm
 
+from t5x_like import fs
 from t5x_like.train.flops import mfu
 
 JSONL_NAME = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+REMOTE_EVENT_FILE_BYTES = 4 << 20  # a URL event file rolls over past this
 
 
 def _to_float(name: str, value: Any) -> float:
@@ -43,25 +54,69 @@ def _to_float(name: str, value: Any) -> float:
   return float(array.reshape(()))
 
 
-def read_jsonl(path: str) -> list[dict[str, float]]:
-  """Rows of a metrics.jsonl, one per step, sorted by step.
+def read_jsonl(path: fs.PathLike) -> list[dict[str, float]]:
+  """Rows of a metrics.jsonl (a local path or a URL), one per step, sorted by step.
 
   Rows of the same step are merged in file order (later values win), so rows that a
   resumed run rewrote replace the interrupted run's, and an eval row written at the
   same step as a train row joins it. A torn last line (a kill mid-write) is skipped.
+  FileNotFoundError if there is no file.
   """
   by_step: dict[int, dict[str, float]] = {}
-  with open(path) as f:
-    for line in f:
-      line = line.strip()
-      if not line:
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError:
-        continue
-      by_step.setdefault(int(row["step"]), {}).update(row)
+  for line in fs.read_bytes(path).decode("utf-8", errors="replace").splitlines():
+    line = line.strip()
+    if not line:
+      continue
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    by_step.setdefault(int(row["step"]), {}).update(row)
   return [by_step[s] for s in sorted(by_step)]
+
+
+def _keep_rows_through(data: bytes, step: int) -> bytes:
+  """The complete rows of a metrics.jsonl with step <= `step` (torn lines dropped)."""
+  kept = []
+  for line in data.decode("utf-8", errors="replace").splitlines():
+    try:
+      if int(json.loads(line)["step"]) <= step:
+        kept.append(line + "\n")
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+      continue  # a torn line from a killed run
+  return "".join(kept).encode()
+
+
+class _RemoteEventFile:
+  """A TensorBoard event file at a URL, the interface of tensorboardX's EventsWriter.
+
+  The records (TFRecord framing, as tensorboardX writes them) accumulate in memory and
+  flush() uploads the whole file: object stores replace objects, they do not append.
+  """
+
+  def __init__(self, directory: str, suffix: str):
+    name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}{suffix}"
+    self.path = f"{directory.rstrip('/')}/{name}"
+    self.size = 0
+    self._records = bytearray()
+    self._dirty = False
+    self.write_event(Event(wall_time=time.time(), file_version="brain.Event:2"))
+
+  def write_event(self, event: Event) -> None:
+    data = event.SerializeToString()
+    header = struct.pack("<Q", len(data))
+    self._records += (header + struct.pack("<I", masked_crc32c(header)) + data
+                      + struct.pack("<I", masked_crc32c(data)))
+    self.size = len(self._records)
+    self._dirty = True
+
+  def flush(self) -> None:
+    if self._dirty:
+      fs.write_bytes(self.path, bytes(self._records))
+      self._dirty = False
+
+  def close(self) -> None:
+    self.flush()
 
 
 class MetricWriter:
@@ -69,55 +124,89 @@ class MetricWriter:
 
   total_steps: the bar's total (for the ETA). is_main_process: False makes every
   method a no-op (multi-host: only process 0 writes). console: False turns the bar
-  off (log() still prints).
+  off (log() still prints). workdir: a local path or a URL (gs://...);
+  remote_flush_seconds: how often a URL workdir's files are uploaded at most.
   """
 
   _files_opened = 0  # per process, for unique event file names
 
-  def __init__(self, workdir: str, *, total_steps: int, is_main_process: bool = True,
-               console: bool = True):
-    self.workdir = workdir
+  def __init__(self, workdir: fs.PathLike, *, total_steps: int,
+               is_main_process: bool = True, console: bool = True,
+               remote_flush_seconds: float = 5.0):
+    # Local: absolute. A URL stays a URL, and nothing below hands it to open / os.
+    self.workdir = os.fspath(fs.resolve_path(workdir, "workdir"))
+    self.remote = fs.is_url(self.workdir)
     self.total_steps = int(total_steps)
     self.is_main_process = is_main_process
     self.console = console and is_main_process
-    self.jsonl_path = os.path.join(workdir, JSONL_NAME)
-    self.tensorboard_dir = os.path.join(workdir, TENSORBOARD_DIR)
+    self.jsonl_path = _join(self.workdir, JSONL_NAME)
+    self.tensorboard_dir = _join(self.workdir, TENSORBOARD_DIR)
+    self.remote_flush_seconds = float(remote_flush_seconds)
     self._tb = None
     self._purge_step: Optional[int] = None
     self._bar = None
     self._line_checked = False
+    self._remote_jsonl: Optional[bytearray] = None  # URL: the whole file, in memory
+    self._unflushed = False
+    self._last_flush = -math.inf
     if is_main_process:
-      os.makedirs(workdir, exist_ok=True)
+      fs.make_dirs(self.workdir)
 
   # ------------------------------------------------------------------- files
   def _tensorboard(self):
     """The event file writer, opened on first use (after a truncate_after, a new file
     that starts with the purge marker)."""
     if self._tb is None:
-      # tensorboardX's synchronous writer (SummaryWriter queues events to a thread, so
-      # its flush() does not guarantee they are on disk). A unique suffix: event file
-      # names only carry the second, and a second writer in that second would clobber.
-      os.makedirs(self.tensorboard_dir, exist_ok=True)
+      # A unique suffix: event file names only carry the second, and a second writer
+      # in that second would clobber.
       MetricWriter._files_opened += 1
-      self._tb = EventsWriter(os.path.join(self.tensorboard_dir, "events"),
-                              f".{os.getpid()}.{MetricWriter._files_opened}")
+      suffix = f".{os.getpid()}.{MetricWriter._files_opened}"
+      if self.remote:
+        self._tb = _RemoteEventFile(self.tensorboard_dir, suffix)
+      else:
+        # tensorboardX's synchronous writer (SummaryWriter queues events to a thread,
+        # so its flush() does not guarantee they are on disk).
+        fs.make_dirs(self.tensorboard_dir)
+        self._tb = EventsWriter(os.path.join(self.tensorboard_dir, "events"), suffix)
       if self._purge_step is not None:  # as SummaryWriter(purge_step=...) marks it
         self._tb.write_event(Event(step=self._purge_step, wall_time=time.time(),
                                    session_log=SessionLog(status=SessionLog.START)))
         self._purge_step = None
     return self._tb
 
+  def _remote_rows(self) -> bytearray:
+    """URL: metrics.jsonl as it is in the store, read once (a torn last line ended)."""
+    if self._remote_jsonl is None:
+      try:
+        data = fs.read_bytes(self.jsonl_path)
+      except FileNotFoundError:
+        data = b""
+      self._remote_jsonl = bytearray(data)
+      if data and not data.endswith(b"\n"):
+        self._remote_jsonl += b"\n"
+    return self._remote_jsonl
+
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
     """Appends {"step": step, **scalars} to metrics.jsonl and adds each to TensorBoard.
 
-    Values may be Python, numpy or (fetched) jax scalars. Both files are flushed on
-    every call, so a killed run loses nothing it logged.
+    Values may be Python, numpy or (fetched) jax scalars. Local files are flushed on
+    every call, so a killed run loses nothing it logged; URL files see flush().
     """
     if not self.is_main_process:
       return
     step = int(step)
     values = {name: _to_float(name, value) for name, value in scalars.items()}
     line = json.dumps({"step": step, **values}) + "\n"
+    summary = Summary(value=[Summary.Value(tag=name, simple_value=value)
+                             for name, value in values.items()])
+    event = Event(step=step, wall_time=time.time(), summary=summary)
+    if self.remote:
+      self._remote_rows().extend(line.encode())
+      self._tensorboard().write_event(event)
+      self._unflushed = True
+      if time.monotonic() - self._last_flush >= self.remote_flush_seconds:
+        self.flush()
+      return
     if not self._line_checked:  # a killed run may have left a torn last line
       self._line_checked = True
       if os.path.exists(self.jsonl_path) and os.path.getsize(self.jsonl_path):
@@ -128,11 +217,21 @@ class MetricWriter:
     with open(self.jsonl_path, "a") as f:
       f.write(line)
       f.flush()
-    summary = Summary(value=[Summary.Value(tag=name, simple_value=value)
-                             for name, value in values.items()])
     tb = self._tensorboard()
-    tb.write_event(Event(step=step, wall_time=time.time(), summary=summary))
+    tb.write_event(event)
     tb.flush()
+
+  def flush(self) -> None:
+    """Writes out what write_scalars buffered (URL workdirs; local files already are)."""
+    if not (self.remote and self._unflushed):
+      return
+    fs.write_bytes(self.jsonl_path, bytes(self._remote_rows()))
+    if self._tb is not None:
+      self._tb.flush()
+      if self._tb.size > REMOTE_EVENT_FILE_BYTES:  # the next event starts a new file
+        self._tb = None
+    self._unflushed = False
+    self._last_flush = time.monotonic()
 
   def truncate_after(self, step: int) -> None:
     """Drops rows of steps > `step` from metrics.jsonl (atomically) and hides
@@ -140,19 +239,16 @@ class MetricWriter:
     if not self.is_main_process:
       return
     step = int(step)
-    if os.path.exists(self.jsonl_path):
-      kept = []
-      with open(self.jsonl_path) as f:
-        for line in f:
-          try:
-            if int(json.loads(line)["step"]) <= step:
-              kept.append(line if line.endswith("\n") else line + "\n")
-          except (json.JSONDecodeError, KeyError, ValueError):
-            continue  # a torn line from a killed run
-      tmp = self.jsonl_path + ".tmp"
-      with open(tmp, "w") as f:
-        f.writelines(kept)
-      os.replace(tmp, self.jsonl_path)
+    if self.remote:
+      self.flush()
+      rows = self._remote_rows()
+      kept = _keep_rows_through(bytes(rows), step)
+      if kept != rows:
+        self._remote_jsonl = bytearray(kept)
+        fs.write_bytes(self.jsonl_path, kept)
+    elif os.path.exists(self.jsonl_path):
+      fs.write_bytes(self.jsonl_path, _keep_rows_through(fs.read_bytes(self.jsonl_path),
+                                                          step))
     if self._tb is not None:  # a new event file carries the purge marker
       self._tb.close()
       self._tb = None
@@ -185,7 +281,9 @@ class MetricWriter:
       print(msg, flush=True)
 
   def close(self) -> None:
-    """Closes the bar and the event file; safe to call twice."""
+    """Flushes, closes the bar and the event file; safe to call twice."""
+    if self.is_main_process:
+      self.flush()
     if self._bar is not None:
       self._bar.close()
       self._bar = None
@@ -198,6 +296,12 @@ class MetricWriter:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def _join(directory: str, name: str) -> str:
+  """directory/name; a URL keeps its scheme ("gs://b/run" -> "gs://b/run/name")."""
+  return f"{directory.rstrip('/')}/{name}" if fs.is_url(directory) else os.path.join(
+      directory, name)
 
 
 def perplexity(metrics: Mapping[str, float]) -> Optional[float]:
