@@ -1,11 +1,23 @@
-"""The `t5x-like` command."""
+"""The `t5x-like` command: one entry point for every subcommand.
+
+train, plan, infer, finetune and bench model/compile/bert-vs-torch take absl flags with
+`--config FILE[:ARG]` and `--config.KEY=VALUE` overrides (t5x_like/command_flags.py);
+models, vocab, task and bench data take argparse options. All of them answer -h/--help
+with their flags and report a user error (t5x_like/errors.py) in one line with exit
+status 2; `--debug` anywhere shows its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
+import traceback
+
+from t5x_like import command_flags
+from t5x_like.errors import USER_ERROR_EXIT, UserError
 
 # glibc's malloc backs its large (mmap) allocations with transparent huge pages when
 # this tunable is set at process start. XLA on CPU allocates each step's temporaries
@@ -46,30 +58,48 @@ def _cmd_task_books(args) -> int:
   return 0
 
 
+# The absl / ml-collections commands (any config key overridable on the command line):
+# name -> (module with main(argv), one-line summary). Their --help lists their flags.
+FLAG_COMMANDS = {
+    "train": ("t5x_like.train.main", "pretrain a config: --config FILE[:ARG] --workdir DIR"
+              " [--config.KEY=VALUE ...]; reruns resume"),
+    "plan": ("t5x_like.plan.cli", "params, shardings, FLOPs, memory and time of a config on"
+             " a topology, without running it: --config FILE[:ARG] [--topology v3-32 ...]"),
+    "infer": ("t5x_like.infer.cli", "generate with, score by or fill masks with a trained"
+              " model, JSONL in and out: --config FILE --checkpoint DIR --input FILE.jsonl"),
+    "finetune": ("t5x_like.finetune.main", "fine-tune a pretrained (or random) backbone on a"
+                 " CSV / JSONL task: --config FILE[:ARG] --workdir DIR"),
+}
+BENCH_FLAG_COMMANDS = {
+    "model": "compile and time the train step (and a decode step) of a config",
+    "compile": "compile time of the train step at several depths (--layers 6,12,24)",
+    "bert-vs-torch": "our BERT step against transformers' BertForPreTraining",
+}
+
+
+class _OneLineErrors(argparse.ArgumentParser):
+  """Usage errors in one line (not the usage block), exit status 2; subparsers inherit."""
+
+  def error(self, message: str):
+    self.exit(USER_ERROR_EXIT, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
   from t5x_like.bench.data import DEFAULT_LENGTHS
   from t5x_like.data import vocab_cli
-  parser = argparse.ArgumentParser(prog="t5x-like", description=__doc__)
-  sub = parser.add_subparsers(dest="command", required=True)
-  sub.add_parser("train", help="train a config: t5x-like train --config FILE[:ARG] --workdir"
-                 " DIR [--config.KEY=VALUE ...] (see t5x_like/train/main.py)")
-  sub.add_parser("plan", help="params, shardings, FLOPs, memory and time of a config on a"
-                 " topology, without running it: t5x-like plan --config FILE[:ARG]"
-                 " [--config.KEY=VALUE ...] [--topology v3-32 ...] [--json]"
-                 " (see t5x_like/plan/cli.py)")
-  sub.add_parser("infer", help="generate with, score by or fill masks with a trained model,"
-                 " JSONL in and out: t5x-like infer --config FILE[:ARG] --checkpoint PATH"
-                 " --input FILE.jsonl [--output FILE.jsonl] [--mode generate|score]"
-                 " [--config.KEY=VALUE ...] (see t5x_like/infer/cli.py)")
-  sub.add_parser("finetune", help="fine-tune a pretrained (or random) backbone on a CSV /"
-                 " JSONL task: t5x-like finetune --config FILE[:ARG] --workdir DIR"
-                 " [--config.KEY=VALUE ...] (see t5x_like/finetune/main.py)")
+  parser = _OneLineErrors(
+      prog="t5x-like", description=__doc__,
+      epilog="`t5x-like COMMAND --help` shows a command's flags. --debug (anywhere) shows"
+             " the traceback of an error.")
+  sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+  for name, (_, summary) in FLAG_COMMANDS.items():
+    sub.add_parser(name, help=summary, add_help=False)
   models = sub.add_parser("models", help=_cmd_models.__doc__)
   models.add_argument("names", nargs="*", help="presets to show (default: all)")
   models.set_defaults(fn=_cmd_models)
   vocab_cli.add_parser(sub)
   task = sub.add_parser("task", help="build fine-tuning tasks").add_subparsers(
-      dest="which", required=True)
+      dest="which", required=True, metavar="TASK")
   books = task.add_parser("books", help=_cmd_task_books.__doc__)
   books.add_argument("--out", required=True, help="directory to write")
   books.add_argument("--num_blocks", type=int, default=12,
@@ -77,10 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
   books.add_argument("--block_words", type=int, default=500)
   books.add_argument("--passage_words", type=int, default=32)
   books.set_defaults(fn=_cmd_task_books)
-  bench = sub.add_parser("bench", help="benchmarks: data (below); model, compile,"
-                         " bert-vs-torch --config FILE[:ARG] [--config.KEY=VALUE ...]"
-                         " (see t5x_like/bench/cli.py)").add_subparsers(dest="what",
-                                                                        required=True)
+  bench = sub.add_parser("bench", help="benchmarks: data, model, compile, bert-vs-torch"
+                         ).add_subparsers(dest="what", required=True, metavar="BENCHMARK")
   data = bench.add_parser("data", help=_cmd_bench_data.__doc__)
   data.add_argument("--objective", required=True, choices=sorted(DEFAULT_LENGTHS))
   data.add_argument("--length", type=int, default=None,
@@ -89,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
   data.add_argument("--steps", type=int, default=30, help="batches per timed run")
   data.add_argument("--repeats", type=int, default=5, help="timed runs (median reported)")
   data.set_defaults(fn=_cmd_bench_data)
+  for name, summary in BENCH_FLAG_COMMANDS.items():
+    bench.add_parser(name, help=summary + ": --config FILE[:ARG] [--config.KEY=VALUE ...]",
+                     add_help=False)
   return parser
 
 
@@ -110,25 +141,39 @@ def _reexec_with_huge_pages() -> None:
 
 
 def main(argv=None) -> int:
+  """Runs `t5x-like argv...`; the exit status: 0 done, 2 a user error (one line on
+  stderr, no traceback unless --debug), 1 a failure, 130 interrupted."""
   if argv is None:  # the console command, not an in-process call
     _reexec_with_huge_pages()
   argv = sys.argv[1:] if argv is None else list(argv)
-  if argv[:1] == ["train"]:  # absl / ml-collections flags: --config.key=value overrides
-    from t5x_like.train import main as train_main
-    return train_main.main(argv[1:])
-  if argv[:1] == ["finetune"]:
-    from t5x_like.finetune import main as finetune_main
-    return finetune_main.main(argv[1:])
-  if argv[:1] == ["plan"]:
-    from t5x_like.plan import cli as plan_cli
-    return plan_cli.main(argv[1:])
-  if argv[:1] == ["infer"]:
-    from t5x_like.infer import cli as infer_cli
-    return infer_cli.main(argv[1:])
-  if argv[:1] == ["bench"] and argv[1:2] != ["data"] and not {"-h", "--help"} & set(argv[1:2]):
+  debug = command_flags.debug_requested(argv)
+  argv = [a for a in argv if a != "--debug"]
+  command = " ".join(["t5x-like", *argv[:1]])
+  try:
+    return _dispatch(argv)
+  except command_flags.HelpShown:
+    return 0
+  except UserError as e:
+    command_flags.print_error(command, e, debug)
+    return USER_ERROR_EXIT
+  except KeyboardInterrupt as e:
+    if debug:
+      traceback.print_exception(e)
+    print(f"{command}: interrupted", file=sys.stderr, flush=True)
+    return 130
+
+
+def _dispatch(argv: list[str]) -> int:
+  if argv[:1] and argv[0] in FLAG_COMMANDS:
+    module = importlib.import_module(FLAG_COMMANDS[argv[0]][0])
+    return module.main(argv[1:])
+  if argv[:1] == ["bench"] and argv[1:2] and argv[1] in BENCH_FLAG_COMMANDS:
     from t5x_like.bench import cli as bench_cli
     return bench_cli.main(argv[1:])
-  args = build_parser().parse_args(argv)
+  try:
+    args = build_parser().parse_args(argv)
+  except SystemExit as e:  # argparse: --help (0) or a usage error (2, printed)
+    return int(e.code or 0)
   return args.fn(args)
 
 

@@ -1,35 +1,191 @@
 """Parsing the absl / ml-collections flags of a `t5x-like` subcommand.
 
-  fv = parse_flags("train", argv, make_flags, required=("config", "workdir"))
-  if fv is None: return 2          # the reason was printed to stderr
+  fv = parse_flags("train", argv, make_flags, required=("config", "workdir"), doc=__doc__)
 
 make_flags(full_argv) -> FlagValues defines the command's flags; it receives the full
 command line so that ml-collections reads --config.KEY=VALUE overrides from it (not
 from sys.argv, which an in-process call does not set).
+
+-h / --help / --helpshort / --helpfull print the command's usage and flags and raise
+HelpShown (the command exits 0). Every mistake raises FlagError (a UserError: one line,
+exit 2): an unknown flag, a bad value, a missing required flag, a config file that does
+not exist or fails to load, and a --config.KEY override naming a key the config does
+not have (with the closest known keys). Config files are read before absl parses the
+flags, so that ml-collections never meets a key it cannot set.
 """
 
 from __future__ import annotations
 
+import difflib
+import os
 import sys
+import traceback
 from typing import Callable, Optional, Sequence
 
+import ml_collections
 from absl import flags
+
+from t5x_like.errors import UserError
+
+HELP_FLAGS = ("-h", "--help", "--helpshort", "--helpfull")
+
+
+class FlagError(UserError):
+  """A bad command line; the message names the flag or the config key."""
+
+
+class HelpShown(Exception):
+  """--help was answered; the command exits 0."""
 
 
 def parse_flags(command: str, argv: Sequence[str],
                 make_flags: Callable[[list[str]], flags.FlagValues],
-                required: Sequence[str] = ("config",)) -> Optional[flags.FlagValues]:
-  """The parsed flags of `t5x-like <command> argv...`, or None after printing why (a bad
-  flag or config argument, or a `required` one missing)."""
-  argv = [f"t5x-like {command}", *argv]
-  fv = make_flags(argv)
+                required: Sequence[str] = ("config",),
+                doc: Optional[str] = None) -> flags.FlagValues:
+  """The parsed flags of `t5x-like <command> argv...`.
+
+  Raises HelpShown after printing `doc` and the flags for a help flag, FlagError for
+  a bad command line.
+  """
+  argv = list(argv)
+  full_argv = [f"t5x-like {command}", *argv]
+  fv = make_flags(full_argv)
+  if any(a in HELP_FLAGS for a in argv):
+    print(usage_text(command, fv, doc))
+    raise HelpShown()
+  config_spec = _flag_value(argv, "config")
+  if config_spec and "config" in fv:
+    config = load_config(config_spec)
+    for key, flag in _config_overrides(argv):
+      check_config_key(config, key, flag)
   try:
-    fv(argv)
-  except (flags.Error, ValueError) as e:  # ValueError: the config file refused its argument
-    print(f"t5x-like {command}: {e}", file=sys.stderr)
-    return None
+    fv(full_argv)
+  except flags.Error as e:
+    raise FlagError(str(e)) from None
+  except Exception as e:  # noqa: BLE001  (ml-collections raises many types for a bad override)
+    raise FlagError(f"{' '.join(argv)}: {type(e).__name__}: {e}") from None
   missing = [f"--{name}" for name in required if fv[name].value in (None, "")]
   if missing:
-    print(f"t5x-like {command}: {', '.join(missing)} required", file=sys.stderr)
-    return None
+    raise FlagError(f"{', '.join(missing)} required (t5x-like {command} --help lists the"
+                    " flags)")
   return fv
+
+
+def usage_text(command: str, fv: flags.FlagValues, doc: Optional[str]) -> str:
+  """The command's docstring and one entry per flag (name, default, help)."""
+  lines = [f"usage: t5x-like {command} [flags]", ""]
+  if doc:
+    lines += [doc.strip(), ""]
+  lines.append("flags:")
+  for name in sorted(fv):
+    flag = fv[name]
+    if flag.name != name:  # a short alias is listed with its flag
+      continue
+    default = "" if flag.default is None else f" (default: {flag.default_as_str})"
+    lines.append(f"  --{name}: {flag.help}{default}")
+    if name == "config":
+      lines.append("  --config.KEY=VALUE: override any key of the config (repeatable)")
+  lines.append("  --debug: show the traceback of an error (a t5x-like flag)")
+  return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ config files
+def load_config(spec: str) -> ml_collections.ConfigDict:
+  """`get_config([arg])` of "path.py[:arg]"; FlagError naming the file on any failure."""
+  path, _, arg = spec.partition(":")
+  if not os.path.isfile(path):
+    where = "a directory" if os.path.isdir(path) else "no such file"
+    raise FlagError(f"--config={spec}: {path!r}: {where} (expected a Python config file"
+                    " with get_config(), e.g. configs/bert_cpu.py)")
+  if not path.endswith(".py"):
+    raise FlagError(f"--config={spec}: {path!r} is not a Python file; a config is a .py"
+                    " file defining get_config()")
+  from t5x_like.train.defaults import load_config_file
+  try:
+    config = load_config_file(spec)
+  except Exception as e:  # noqa: BLE001  (the user's file: any error is theirs to see)
+    frame = _innermost_frame_in(e, path)
+    raise FlagError(f"--config={spec}: {type(e).__name__}: {e}{frame}") from None
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise FlagError(f"--config={spec}: get_config() returned {type(config).__name__},"
+                    " expected an ml_collections.ConfigDict")
+  return config
+
+
+def _innermost_frame_in(error: Exception, path: str) -> str:
+  """' (path:line)' of the deepest traceback frame in the config file, or ''."""
+  lineno = getattr(error, "lineno", None) if isinstance(error, SyntaxError) else None
+  for frame in traceback.extract_tb(error.__traceback__):
+    if os.path.abspath(frame.filename) == os.path.abspath(path):
+      lineno = frame.lineno
+  return f" ({path}:{lineno})" if lineno else ""
+
+
+def _flag_value(argv: list[str], name: str) -> Optional[str]:
+  """The last value of --name=V / --name V in argv, or None."""
+  value = None
+  for i, arg in enumerate(argv):
+    if arg.startswith(f"--{name}="):
+      value = arg.split("=", 1)[1]
+    elif arg == f"--{name}" and i + 1 < len(argv):
+      value = argv[i + 1]
+  return value
+
+
+def _config_overrides(argv: list[str]) -> list[tuple[str, str]]:
+  """[(dotted key, the flag as given)] of every --config.KEY[=VALUE] in argv."""
+  out = []
+  for arg in argv:
+    if arg.startswith("--config."):
+      flag = arg.split("=", 1)[0]
+      out.append((flag[len("--config."):], flag))
+  return out
+
+
+def config_keys(config, prefix: str = "") -> list[str]:
+  """Every dotted key path of `config` (sections and leaves)."""
+  keys = []
+  for key in config.keys():
+    name = f"{prefix}{key}"
+    keys.append(name)
+    value = config[key]
+    if isinstance(value, ml_collections.ConfigDict):
+      keys += config_keys(value, name + ".")
+  return keys
+
+
+def check_config_key(config, key: str, flag: str) -> None:
+  """FlagError naming the full key and the closest known keys when `config` has no `key`."""
+  node = config
+  for i, part in enumerate(key.split(".")):
+    if isinstance(node, ml_collections.ConfigDict) and part in node:
+      node = node[part]
+      continue
+    known = [k for k in config_keys(config) if not key.startswith(k + ".")]
+    close = _closest(key, known, cutoff=0.6)
+    parent = ".".join(key.split(".")[:i])
+    if not close and parent:
+      close = _closest(key, [k for k in known if k.startswith(parent + ".")], cutoff=0.4)
+    hint = (f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else
+            f"; the config has no key {'.'.join(key.split('.')[:i + 1])!r}"
+            " (t5x_like/train/defaults.py lists every key)")
+    raise FlagError(f"{flag}: unknown config key {key!r}{hint}")
+
+
+def _closest(key: str, candidates: list[str], cutoff: float) -> list[str]:
+  """The candidates most like `key` (at most 3, within 0.1 of the best ratio)."""
+  scored = sorted(((difflib.SequenceMatcher(None, key, c).ratio(), c) for c in candidates),
+                  reverse=True)
+  best = scored[0][0] if scored else 0.0
+  return [c for r, c in scored[:3] if r >= max(cutoff, best - 0.1)]
+
+
+def debug_requested(argv: Sequence[str]) -> bool:
+  return "--debug" in argv
+
+
+def print_error(prefix: str, error: BaseException, debug: bool) -> None:
+  """One line `prefix: message` on stderr (the traceback first when debugging)."""
+  if debug:
+    traceback.print_exception(error)
+  print(f"{prefix}: {error}", file=sys.stderr, flush=True)

@@ -54,8 +54,11 @@ def _committed_checkpoints(workdir: str) -> list[int]:
   directory = os.path.join(workdir, "checkpoints")
   if not os.path.isdir(directory):
     return []
+  # Finished saves: orbax's commit marker, then our checksums (written last; a step
+  # killed between the two is unfinished and set aside at resume).
   return [int(d) for d in os.listdir(directory)
-          if d.isdigit() and os.path.exists(os.path.join(directory, d, "commit_success.txt"))]
+          if d.isdigit() and all(os.path.exists(os.path.join(directory, d, name)) for name in
+                                 ("commit_success.txt", "checksums.process_0.json"))]
 
 
 def _wait_for_step(workdir: str, proc: subprocess.Popen, step: int, timeout=300,
@@ -99,7 +102,9 @@ def test_sigkill_and_resume_reproduce_every_loss_bit_for_bit(config, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_sigint_save_a_checkpoint_and_exit_zero(signum, tmp_path):
+  """SIGINT (Ctrl-C) saves like SIGTERM: no KeyboardInterrupt traceback, no lost steps."""
   workdir = str(tmp_path / "run")
   proc = subprocess.Popen(_train_command("gpt_cpu.py:smoke", workdir,
                                          "--config.train.num_steps=100000",
@@ -107,13 +112,17 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path):
                           env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
   _wait_for_step(workdir, proc, 3)
-  proc.send_signal(signal.SIGTERM)
+  proc.send_signal(signum)
   out, _ = proc.communicate(timeout=120)
   assert proc.returncode == 0, out[-3000:]
-  match = [line for line in out.splitlines() if "SIGTERM: saving a checkpoint at step" in line]
+  name = signal.Signals(signum).name
+  match = [line for line in out.splitlines() if f"{name}: saving a checkpoint at step" in line]
   assert match, out[-3000:]
+  assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
   step = int(match[0].split("at step ")[1].split()[0])
   assert os.path.isdir(os.path.join(workdir, "checkpoints", str(step)))
+  assert f"stopped at step {step}: checkpoint saved" in out
+  assert max(_losses(workdir)) == step  # every trained step is in the checkpoint
 
 
 # ------------------------------------------------------------------------ phases
@@ -145,6 +154,29 @@ def test_two_phase_run_changes_length_and_resumes_from_the_phase_one_checkpoint(
   loop.train(config, split)  # resumes at 16, runs phase 2
   assert sorted(_committed_checkpoints(split)) == [16, 20]
   assert _losses(split) == _losses(full)
+
+
+# ------------------------------------------------------------ paths
+def test_relative_and_absolute_workdirs_are_one_run(tmp_path, monkeypatch, caplog):
+  """A run started with a relative workdir, resumed through its absolute path, then rerun
+  through the relative path once finished: one run, no checkpoint called corrupt."""
+  monkeypatch.chdir(tmp_path)
+  config = _load_config("gpt_cpu", "smoke")
+  config.optimizer.decay_steps = 20  # the schedule must not change with num_steps below
+  config.train.num_steps = 10
+  first = loop.train(config, "workdir/gpt")
+  assert (first.status, first.step) == ("finished", 10)
+  assert sorted(_committed_checkpoints("workdir/gpt")) == [5, 10]
+  config.train.num_steps = 20
+  with caplog.at_level("WARNING"):
+    second = loop.train(config, str(tmp_path / "workdir" / "gpt"))
+    third = loop.train(config, "workdir/gpt")
+  assert (second.status, second.step) == ("finished", 20)
+  assert (third.status, third.step) == ("already_finished", 20)
+  assert dict(third) == dict(second) and third  # the last eval, read back
+  assert "corrupt" not in caplog.text.lower()
+  assert sorted(_losses("workdir/gpt")) == list(range(1, 21))
+  assert sorted(os.listdir(tmp_path)) == ["workdir"]
 
 
 # ------------------------------------------------------------ corrupt checkpoint

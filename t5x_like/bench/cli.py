@@ -41,9 +41,7 @@ def main(argv: list[str]) -> int:
           f" {argv[:1]}", file=sys.stderr)
     return 2
   what = argv[0]
-  fv = parse_flags(f"bench {what}", argv[1:], _flags)
-  if fv is None:
-    return 2
+  fv = parse_flags(f"bench {what}", argv[1:], _flags, doc=__doc__)
   from t5x_like.bench import model as model_bench
   try:
     if what == "model":

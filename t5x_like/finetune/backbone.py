@@ -13,11 +13,12 @@ import json
 import os
 from typing import Any, NamedTuple, Optional
 
+from t5x_like.errors import UserError
 from t5x_like.finetune.tokenizer import Tokenizer, as_tokenizer
 from t5x_like.models.config import ModelConfig
 
 
-class BackboneError(ValueError):
+class BackboneError(UserError, ValueError):
   """config.init or config.tokenizer names no usable backbone; the message says which key."""
 
 
@@ -71,7 +72,10 @@ def load_backbone(config) -> Backbone:
                     params, f"Hugging Face checkpoint {init.hf}")
   from t5x_like.train.defaults import load_config_file
   from t5x_like.train.loop import build_model_from_config, config_vocab
-  pretrain = load_config_file(init.config)
+  try:
+    pretrain = load_config_file(init.config)
+  except FileNotFoundError as e:
+    raise BackboneError(f"config.init.config: {e}") from None
   vocab = config_vocab(pretrain)
   model_config = build_model_from_config(pretrain, vocab.vocab_size).config
   if overrides:

@@ -33,11 +33,13 @@ import json
 import os
 from typing import Any, Iterator, Optional, Sequence
 
+from t5x_like.errors import UserError
+
 TASKS = ("classification", "token_classification", "span_extraction")
 _MAX_REPORTED = 10  # bad rows whose messages stats keeps
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
   """A bad row: `path`:`line` and what is wrong with it."""
 
   def __init__(self, path: str, line: int, problem: str):

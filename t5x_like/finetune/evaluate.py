@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from t5x_like import infer, parallel

@@ -124,13 +124,13 @@ def label_normalizer(labels: Array) -> Array:
 
 def label_metrics(prefix: str, logits: Array, labels: Array, denominator: Array,
                   z_loss: float = 0.0, label_smoothing: float = 0.0) -> dict[str, Array]:
-  """<prefix>_loss, _z_loss, _accuracy (sums over labels >= 0 / denominator) and
+  """<prefix>_loss, _z_loss (with z_loss), _accuracy (sums over labels >= 0 / denominator) and
   <prefix>_tokens (labels counted). logits [..., C], labels [...] int, -1 = ignore."""
   safe = jnp.maximum(labels, 0).astype(jnp.int32)
   per_label, z_term = losses.cross_entropy(logits, safe, z_loss=z_loss,
                                            label_smoothing=label_smoothing)
-  return losses.token_metrics(prefix, logits, safe, label_weights(labels), per_label, z_term,
-                              denominator)
+  return losses.token_metrics(prefix, logits, safe, label_weights(labels), per_label,
+                              z_term if z_loss else None, denominator)
 
 
 def span_metrics(start_logits_BxL: Array, end_logits_BxL: Array, start_B: Array, end_B: Array,

@@ -17,23 +17,27 @@ import jax
 import ml_collections
 import numpy as np
 
-from t5x_like import parallel
+from t5x_like import fs, parallel
+from t5x_like.errors import UserError
 from t5x_like.finetune.backbone import load_backbone
 from t5x_like.finetune.data import DataConfig, read_examples
 from t5x_like.finetune.encoding import encode_examples, label_targets
 from t5x_like.finetune.evaluate import Predictor, prediction_rows, task_metrics
 from t5x_like.finetune.model import FinetuneModel
+from t5x_like.fs import resolve_path
 from t5x_like.train.checkpoints import Checkpointer
 from t5x_like.train.loop import NonFiniteLossError
 from t5x_like.train.metrics import MetricWriter
 from t5x_like.train.optimizers import make_optimizer
+from t5x_like.train.setup_guard import undo_on_user_error
 from t5x_like.train.state import abstract_train_state, create_train_state
 from t5x_like.train.step import make_train_step
+from t5x_like.workdir_lock import WorkdirLock
 
 NOT_TRAINED = ("context_offsets",)  # features the loss does not read
 
 
-class FinetuneConfigError(ValueError):
+class FinetuneConfigError(UserError, ValueError):
   """A fine-tuning config that cannot run; the message names the key."""
 
 
@@ -65,7 +69,7 @@ def _check_config(config) -> None:
     if not task[key]:
       raise FinetuneConfigError(f"config.task.{key} is required (a CSV or JSONL file)")
     if not os.path.isfile(task[key]):
-      raise FileNotFoundError(f"config.task.{key}={task[key]!r} does not exist")
+      raise FinetuneConfigError(f"config.task.{key}={task[key]!r} does not exist")
   if tc.num_steps < 1 or tc.batch_size < 1:
     raise FinetuneConfigError(f"config.train.num_steps={tc.num_steps} and"
                               f" batch_size={tc.batch_size} must be >= 1")
@@ -75,11 +79,18 @@ def _check_config(config) -> None:
 
 
 # ============================================================================ finetune
-def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Fine-tunes config.init's backbone on config.task in workdir (resumes there);
-  returns the final dev metrics."""
+def finetune(config: ml_collections.ConfigDict, workdir) -> dict:
+  """Fine-tunes config.init's backbone on config.task in workdir (a path, relative or
+  absolute, or a URL such as gs://...; resumes there); returns the final dev metrics.
+  A UserError (bad config, rows, backbone, a locked workdir) leaves the workdir as it
+  was."""
   _check_config(config)
-  os.makedirs(workdir, exist_ok=True)
+  workdir_path = resolve_path(workdir, "workdir")
+  with WorkdirLock(workdir_path), undo_on_user_error(workdir_path) as setup:
+    return _finetune(config, os.fspath(workdir_path), setup)
+
+
+def _finetune(config, workdir: str, setup) -> dict:
   task, tc = config.task, config.train
 
   # ---------------------------------------------------------------- backbone, data
@@ -123,6 +134,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=2, async_save=False)
   abstract = abstract_train_state(model, optimizer, mesh, rules, batch_shapes)
   restored = checkpointer.restore_latest(abstract)
+  setup.done()
   if restored is None:
     state, shardings = create_train_state(model, optimizer, mesh, rules, batch_shapes,
                                           jax.random.key(config.seed))
@@ -150,6 +162,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
     predictions = predictor(state.params, dev_features)
     result = task_metrics(task.name, predictions, dev_features, dev_set)
     writer.write_scalars(step, {f"dev_{k}": v for k, v in result.items()})
+    writer.log(f"step {step}: dev " + ", ".join(f"{k}={v:.4f}" for k, v in result.items()))
     return result, predictions
 
   dev_metrics, predictions, started = None, None, time.perf_counter()
@@ -174,17 +187,19 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
       dev_metrics, predictions = evaluate(step)
     checkpointer.save(step, state, {"epoch": step * tc.batch_size / num_train}, force=True)
   finally:
-    checkpointer.wait()
-    checkpointer.close()
-    writer.close()
+    try:
+      checkpointer.wait()
+      checkpointer.close()
+    finally:
+      writer.close()
 
   # ---------------------------------------------------------------- outputs
-  with open(os.path.join(workdir, "dev_predictions.jsonl"), "w", encoding="utf-8") as f:
-    for row in prediction_rows(task.name, predictions, dev_set, dev_features):
-      f.write(json.dumps(row) + "\n")
+  rows = prediction_rows(task.name, predictions, dev_set, dev_features)
+  fs.write_bytes(os.path.join(workdir, "dev_predictions.jsonl"),
+                 "".join(json.dumps(row) + "\n" for row in rows).encode())
   final = dict(dev_metrics, step=step, train_examples=num_train,
                dev_examples=len(dev_set.examples), backbone=backbone.source,
                seconds=round(time.perf_counter() - started, 1))
-  with open(os.path.join(workdir, "final_metrics.json"), "w", encoding="utf-8") as f:
-    json.dump(final, f, indent=1)
+  fs.write_bytes(os.path.join(workdir, "final_metrics.json"),
+                 json.dumps(final, indent=1).encode())
   return final

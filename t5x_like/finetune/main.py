@@ -26,22 +26,11 @@ def _flags(argv: list[str]) -> flags.FlagValues:
 
 
 def main(argv: list[str]) -> int:
-  fv = parse_flags("finetune", argv, _flags, required=("config", "workdir"))
-  if fv is None:
-    return 2
-  from t5x_like.finetune.backbone import BackboneError
-  from t5x_like.finetune.data import DataError
-  from t5x_like.finetune.loop import FinetuneConfigError, finetune
-  from t5x_like.hf.io import CheckpointError
-  from t5x_like.train.checkpoints import IncompatibleCheckpointError
+  fv = parse_flags("finetune", argv, _flags, required=("config", "workdir"), doc=__doc__)
+  from t5x_like.finetune.loop import finetune
   from t5x_like.train.loop import NonFiniteLossError
-  try:
+  try:  # a UserError (config, rows, backbone, checkpoint) is reported by t5x_like.cli
     final = finetune(fv.config, fv.workdir)
-  except (DataError, FinetuneConfigError, BackboneError, FileNotFoundError,
-          IncompatibleCheckpointError, CheckpointError) as e:
-    # A DataError reads "path:line: problem".
-    print(f"t5x-like finetune: {e}", file=sys.stderr)
-    return 2
   except NonFiniteLossError as e:
     print(f"t5x-like finetune: {e}", file=sys.stderr)
     return 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from t5x_like.hf.io import require, unsupported
-from t5x_like.hf.mapping import Path, TensorSpec, check_expressible, linear_spec, norm_spec
+from t5x_like.hf.mapping import Path, TensorSpec, check_expressible, norm_spec
 from t5x_like.models.config import ModelConfig, gpt2
 
 ARCHITECTURE = "GPT2LMHeadModel"

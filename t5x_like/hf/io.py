@@ -14,6 +14,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from t5x_like.errors import UserError
+
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
@@ -21,7 +23,7 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
   """A Hugging Face directory that cannot be read; the message names file and tensor."""
 
 

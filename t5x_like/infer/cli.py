@@ -183,13 +183,8 @@ def _check_settings(fv, family: str, cap: int) -> str | None:
 
 def _parse(argv: list[str]):
   """(flag values, None) or (None, exit status) after printing why."""
-  if {"-h", "--help"} & set(argv):
-    fv = _flags(["t5x-like infer", *argv])
-    print(__doc__ + "\nflags:\n" + fv.module_help(sys.modules[__name__]))
-    return None, 0
-  fv = parse_flags("infer", argv, _flags, required=("config", "checkpoint", "input"))
-  if fv is None:
-    return None, 2
+  fv = parse_flags("infer", argv, _flags, required=("config", "checkpoint", "input"),
+                   doc=__doc__)
   if fv.output != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(fv.output))):
     return None, _fail(f"--output {fv.output}: its directory does not exist")
   return fv, None

@@ -22,11 +22,13 @@ from typing import Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from t5x_like.errors import UserError
+
 BOS_ID = 0  # the decoder input at the start of every causal_lm row (t5x_like.data.lm)
 MASK_TEXT = "[MASK]"
 
 
-class InputError(ValueError):
+class InputError(UserError, ValueError):
   """A problem with one input line; the message starts with "FILE:LINE: "."""
 
 

@@ -38,14 +38,16 @@ def cross_entropy(logits: Array, targets: Array, *, z_loss: float = 0.0,
 
 
 def token_metrics(prefix: str, logits: Array, targets: Array, weights: Optional[Array],
-                  loss: Array, z_term: Array, denominator: Array) -> dict[str, Array]:
-  """<prefix>_loss, _z_loss, _accuracy as sum(w * value) / denominator, and the
-  <prefix>_tokens count sum(w). A shared denominator lets microbatches add up."""
+                  loss: Array, z_term: Optional[Array], denominator: Array
+                  ) -> dict[str, Array]:
+  """<prefix>_loss, _z_loss (unless z_term is None: no z-loss configured), _accuracy as
+  sum(w * value) / denominator, and the <prefix>_tokens count sum(w). A shared
+  denominator lets microbatches add up."""
   w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
   correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
-  return {
-      f"{prefix}_loss": jnp.sum(loss * w) / denominator,
-      f"{prefix}_z_loss": jnp.sum(z_term * w) / denominator,
-      f"{prefix}_accuracy": jnp.sum(correct * w) / denominator,
-      f"{prefix}_tokens": jnp.sum(w),
-  }
+  metrics = {f"{prefix}_loss": jnp.sum(loss * w) / denominator}
+  if z_term is not None:
+    metrics[f"{prefix}_z_loss"] = jnp.sum(z_term * w) / denominator
+  metrics[f"{prefix}_accuracy"] = jnp.sum(correct * w) / denominator
+  metrics[f"{prefix}_tokens"] = jnp.sum(w)
+  return metrics

@@ -123,14 +123,14 @@ class EncoderModel(Model):
                                                z_loss=cfg.z_loss,
                                                label_smoothing=cfg.label_smoothing)
       metrics.update(losses.token_metrics("mlm", out["mlm_logits"], batch["mlm_targets"],
-                                          batch.get("mlm_weights"), per_token, z_term,
+                                          batch.get("mlm_weights"), per_token,
+                                          z_term if cfg.z_loss else None,
                                           normalizers["mlm"]))
       loss = loss + metrics["mlm_loss"]
     if cfg.nsp_head and "nsp_labels" in batch:
+      per_pair, _ = losses.cross_entropy(out["nsp_logits"], batch["nsp_labels"])
       metrics.update(losses.token_metrics("nsp", out["nsp_logits"], batch["nsp_labels"], None,
-                                          *losses.cross_entropy(out["nsp_logits"],
-                                                                batch["nsp_labels"]),
-                                          normalizers["nsp"]))
+                                          per_pair, None, normalizers["nsp"]))
       loss = loss + metrics["nsp_loss"]
     metrics["loss"] = loss
     return loss, metrics
@@ -158,7 +158,8 @@ class _SequenceModel(Model):
     per_token, z_term = losses.cross_entropy(logits, targets, z_loss=cfg.z_loss,
                                              label_smoothing=cfg.label_smoothing)
     metrics = losses.token_metrics("token", logits, targets, batch.get("decoder_loss_weights"),
-                                   per_token, z_term, normalizers["token"])
+                                   per_token, z_term if cfg.z_loss else None,
+                                   normalizers["token"])
     metrics["loss"] = metrics["token_loss"]
     return metrics["loss"], metrics
 

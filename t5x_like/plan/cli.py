@@ -44,9 +44,7 @@ def _config_source(argv: list[str]) -> str:
 
 
 def main(argv: list[str]) -> int:
-  fv = parse_flags("plan", argv, _flags)
-  if fv is None:
-    return 2
+  fv = parse_flags("plan", argv, _flags, doc=__doc__)
   from t5x_like.plan.report import make_plan
   from t5x_like.plan.text import format_plan
   from t5x_like.plan.topology import parse_topology, present_topology

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import os
 from typing import Any, Optional
 
 import jax
@@ -26,6 +27,7 @@ from t5x_like import parallel
 from t5x_like.data.bert_pretraining import BertPretraining
 from t5x_like.data.lm import CausalLM, PrefixLM
 from t5x_like.data.span_corruption import SpanCorruption
+from t5x_like.errors import UserError
 from t5x_like.models import build_model
 from t5x_like.models.config import DTYPES, PRESETS, REMAT_POLICIES, ModelConfig, preset
 from t5x_like.parallel.mesh import MESH_AXES, resolve_axis_sizes
@@ -48,21 +50,27 @@ _FILLED = {"self", "store", "seed", "inputs_length", "targets_length", "length",
 _OPEN = {"model.overrides", "data.options", "mesh.rules", "train.phases"}
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
   """An invalid config; the message names the key."""
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: Optional[int] = None,
-             vocab_size: Optional[int] = None) -> None:
+             vocab_size: Optional[int] = None,
+             device_memory_bytes: Optional[int] = None) -> None:
   """Raises ConfigError for the first problem found.
 
   num_devices: the devices the mesh must fill (default: jax.device_count()).
   vocab_size: the vocabulary's size when model.overrides has none (None: not checked
   against the mesh).
+  device_memory_bytes: one device's memory (e.g. `local_device_memory()`); a step whose
+  activations cannot fit in it is refused. None: not checked.
   """
   if num_devices is None:
     num_devices = jax.device_count()
   _check_schema(config, default_config(), "")
+  _check_finite(config, "")
+  if not 0 <= config.seed < 2**31:
+    raise ConfigError(f"seed={config.seed}: must be in [0, 2**31)")
   model_cfg = _check_model(config, vocab_size)
   _check_data(config, model_cfg)
   _check_train(config)
@@ -70,6 +78,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: Optional[int] = Non
   mesh_sizes = mesh_axis_sizes(config.mesh, num_devices)
   _check_batch(config, mesh_sizes)
   _check_param_dims(config, model_cfg, mesh_sizes)
+  if device_memory_bytes:
+    _check_activation_memory(config, model_cfg, mesh_sizes, device_memory_bytes)
 
 
 # ------------------------------------------------------------------------- schema
@@ -90,6 +100,18 @@ def _check_schema(config, schema, prefix: str) -> None:
     elif not _same_type(value, default):
       raise ConfigError(f"{name}={value!r}: expected {type(default).__name__}"
                         f" (like the default {default!r}), got {type(value).__name__}")
+
+
+def _check_finite(config, prefix: str) -> None:
+  """Every float of the config (open sections included) is finite: a NaN learning rate
+  or weight decay would otherwise train to garbage, or to the end."""
+  for key in config.keys():
+    value, name = config[key], f"{prefix}{key}"
+    if isinstance(value, (ml_collections.ConfigDict, dict)):
+      _check_finite(ml_collections.ConfigDict(value) if isinstance(value, dict) else value,
+                    name + ".")
+    elif isinstance(value, float) and not math.isfinite(value):
+      raise ConfigError(f"{name}={value}: must be a finite number")
 
 
 def _same_type(value: Any, default: Any) -> bool:
@@ -256,6 +278,47 @@ def _check_batch(config, mesh: dict[str, int]) -> None:
     raise ConfigError(f"train.microbatches={t.microbatches}: each microbatch of"
                       f" train.batch_size={t.batch_size} must divide over the {shards} batch"
                       f" shards; use a divisor of {t.batch_size // shards}")
+
+
+def local_device_memory() -> Optional[int]:
+  """Bytes of memory of one local device: the accelerator's limit, or on CPU the host's
+  physical memory shared by the local (fake) devices; None when unknown."""
+  device = jax.local_devices()[0]
+  stats = device.memory_stats() if device.platform != "cpu" else None
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"])
+  try:
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    return None
+  return host // jax.local_device_count()
+
+
+def _check_activation_memory(config, model_cfg: ModelConfig, mesh: dict[str, int],
+                             device_bytes: int) -> None:
+  """Refuses a step whose activations cannot fit in one device, whatever the remat
+  policy: a lower bound of the bytes one microbatch keeps on a device, the residual
+  stream saved at every layer input plus one layer's attention scores (every
+  attention kernel here materialises them: [rows, heads, L, L] in float32)."""
+  rows = max(1, config.train.batch_size // config.train.microbatches
+             // (mesh["data"] * mesh["fsdp"]))
+  lengths = [("data.length", config.data.length)] + [
+      (f"train.phases[{i}].length", int(dict(p).get("length", config.data.length)))
+      for i, p in enumerate(config.train.phases or ())]
+  name, length = max(lengths, key=lambda x: x[1])
+  layers = model_cfg.num_layers + (model_cfg.decoder_layers
+                                   if model_cfg.family == "encoder_decoder" else 0)
+  width = 2 if model_cfg.dtype == "bfloat16" else 4
+  residual = rows * length * model_cfg.d_model * width * layers
+  scores = rows * max(1, model_cfg.num_heads // mesh["tensor"]) * length * length * 4
+  if residual + scores > device_bytes:
+    gib = 2.0**30
+    raise ConfigError(
+        f"{name}={length}: one step needs at least {(residual + scores) / gib:,.1f} GiB of"
+        f" activations per device ({rows} row(s) per device and microbatch, {layers}"
+        f" layers, d_model {model_cfg.d_model}, {model_cfg.num_heads} heads), more than"
+        f" the device's {device_bytes / gib:,.1f} GiB; shorten it, or use a smaller"
+        " train.batch_size, more train.microbatches or more devices")
 
 
 def _check_param_dims(config, model_cfg: ModelConfig, mesh: dict[str, int]) -> None:

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 import time
 from typing import Any, Optional
 
@@ -24,16 +25,20 @@ from t5x_like.data.sources import source_from_spec
 from t5x_like.data.store import split_held_out
 from t5x_like.data.tokenize import build_store
 from t5x_like.data.vocab import default_vocab, load_vocab
+from t5x_like.fs import resolve_path
 from t5x_like.models import build_model, preset
 from t5x_like.parallel import DEFAULT_RULES, mesh_from_config, shard_batch
 from t5x_like.train import flops as flops_lib
 from t5x_like.train.checkpoints import Checkpointer
-from t5x_like.train.config_check import validate
-from t5x_like.train.metrics import MetricWriter, perplexity, summarize_train_metrics
+from t5x_like.train.config_check import ConfigError, local_device_memory, validate
+from t5x_like.train.metrics import (MetricWriter, perplexity, read_jsonl,
+                                    summarize_train_metrics)
 from t5x_like.train.optimizers import make_optimizer
 from t5x_like.train.prefetch import DevicePrefetcher
+from t5x_like.train.setup_guard import undo_on_user_error
 from t5x_like.train.state import abstract_train_state, create_train_state
 from t5x_like.train.step import make_eval_step, make_train_step
+from t5x_like.workdir_lock import WorkdirLock
 
 
 class NonFiniteLossError(RuntimeError):
@@ -41,18 +46,40 @@ class NonFiniteLossError(RuntimeError):
 
 
 class _Preemption:
-  """Turns SIGTERM into a flag the loop checks after each step."""
+  """Turns SIGTERM and SIGINT (Ctrl-C) into a flag the loop checks after each step: the
+  run saves a checkpoint and stops. A second SIGINT interrupts at once."""
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
   def __init__(self):
-    self.requested = False
-    self._previous = signal.signal(signal.SIGTERM, self._handle)
+    self.requested: Optional[str] = None  # the signal's name once one came
+    self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
   def _handle(self, signum, frame):
-    del signum, frame
-    self.requested = True
+    del frame
+    if self.requested == "SIGINT" and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    self.requested = signal.Signals(signum).name
+    print(f"\n{self.requested}: saving a checkpoint after this step, then stopping"
+          + (" (Ctrl-C again to stop without saving)" if signum == signal.SIGINT else ""),
+          file=sys.stderr, flush=True)
 
   def restore(self):
-    signal.signal(signal.SIGTERM, self._previous)
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
+
+
+class TrainResult(dict):
+  """The last eval metrics, as a dict, with how the run ended.
+
+  step: the step reached. status: 'finished' (trained to the end now),
+  'already_finished' (the workdir's run had ended; the metrics are its last eval row)
+  or 'stopped' (a signal; a checkpoint of `step` is saved and a rerun resumes).
+  """
+
+  def __init__(self, metrics: dict, step: int, status: str):
+    super().__init__(metrics)
+    self.step, self.status = step, status
 
 
 def objective_kwargs(config) -> dict:
@@ -68,8 +95,8 @@ def config_vocab(config):
   data = config.data
   family = OBJECTIVE_FAMILIES.get(data.objective)
   if family is None:
-    raise ValueError(f"config.data.objective={data.objective!r}: expected one of"
-                     f" {sorted(OBJECTIVE_FAMILIES)}")
+    raise ConfigError(f"data.objective={data.objective!r}: expected one of"
+                      f" {sorted(OBJECTIVE_FAMILIES)}")
   return load_vocab(data.vocab) if data.vocab else default_vocab(family)
 
 
@@ -134,22 +161,47 @@ def _global_batch_shapes(objective, batch_size: int) -> dict[str, tuple]:
   return {k: (batch_size, *shape) for k, shape in objective.feature_shapes().items()}
 
 
+def _last_eval(jsonl_path: str) -> dict:
+  """The eval metrics of the last row of metrics.jsonl that has them ({} if none)."""
+  try:
+    rows = read_jsonl(jsonl_path)
+  except FileNotFoundError:
+    return {}
+  for row in reversed(rows):
+    evals = {k: v for k, v in row.items() if k.startswith("eval_")}
+    if evals:
+      return evals
+  return {}
+
+
 def _is_finite(metrics: dict) -> bool:
   return bool(np.isfinite(float(metrics["loss"])))
 
 
 # =============================================================================== train
-def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains config's model in workdir; resumes from its latest checkpoint.
+def train(config: ml_collections.ConfigDict, workdir) -> TrainResult:
+  """Trains config's model in workdir (a local path, relative or absolute, or a URL such
+  as gs://...); resumes from its latest checkpoint.
 
   With config.train.phases, runs them in order; a phase starts from the checkpoint the
   previous one saved at its last step, with its own shapes and a fresh data iterator.
-  Returns the last eval metrics. Raises NonFiniteLossError on a NaN/inf loss.
+  Returns the last eval metrics (TrainResult). Raises a UserError (ConfigError, a bad
+  data source, a locked workdir, ...) before writing anything to the workdir, and
+  NonFiniteLossError on a NaN/inf loss.
   """
-  validate(config, jax.device_count(), vocab_size=config_vocab(config).vocab_size)
-  os.makedirs(workdir, exist_ok=True)
-  tc = config.train
+  validate(config, jax.device_count(), vocab_size=config_vocab(config).vocab_size,
+           device_memory_bytes=local_device_memory())
+  workdir_path = resolve_path(workdir, "workdir")
+  workdir = os.fspath(workdir_path)
   is_main = jax.process_index() == 0
+  # The lock first: a refused lock must not undo the holder's files.
+  with WorkdirLock(workdir_path, enabled=is_main), \
+       undo_on_user_error(workdir_path, enabled=is_main) as setup:
+    return _train(config, workdir, is_main, setup)
+
+
+def _train(config, workdir: str, is_main: bool, setup) -> TrainResult:
+  tc = config.train
   phases = phase_configs(config)
 
   # ---------------------------------------------------------------- data, model, mesh
@@ -160,34 +212,50 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   batch_shapes = _global_batch_shapes(objective, tc.batch_size)
   optimizer, schedule = make_optimizer(config.optimizer, tc.num_steps)
 
-  writer = MetricWriter(workdir, total_steps=tc.num_steps, is_main_process=is_main)
-  writer.log(f"model {config.model.preset}: {model.num_params():,} params; mesh"
-             f" {dict(mesh.shape)}; {jax.process_count()} process(es); data"
-             f" {json.dumps({k: v for k, v in data_stats.items() if k != 'source'})};"
-             f" bad input {json.dumps(data_stats.get('source', {}))}")
-
   # ----------------------------------------------------------- state, resume
   rng = jax.random.key(config.seed)
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=tc.keep_checkpoints,
                               async_save=tc.async_checkpoints)
-  abstract = abstract_train_state(model, optimizer, mesh, rules, batch_shapes)
-  restored = checkpointer.restore_latest(abstract)
-  data_state = None
-  if restored is None:
-    state, state_shardings = create_train_state(model, optimizer, mesh, rules, batch_shapes,
-                                                jax.random.fold_in(rng, 1))
-    step = 0
-  else:
-    step, state, extra = restored
-    state_shardings = jax.tree.map(lambda x: x.sharding, abstract)
-    data_state = extra["data"], extra.get("phase", 0)
-    writer.truncate_after(step)  # rows of steps after it are about to be redone
-    writer.log(f"resumed from step {step}")
+  writer = MetricWriter(workdir, total_steps=tc.num_steps, is_main_process=is_main)
+  try:
+    abstract = abstract_train_state(model, optimizer, mesh, rules, batch_shapes)
+    restored = checkpointer.restore_latest(abstract)
+    setup.done()  # from here on, the workdir holds a run: never undone
+    writer.log(f"model {config.model.preset}: {model.num_params():,} params; mesh"
+               f" {dict(mesh.shape)}; {jax.process_count()} process(es); data"
+               f" {json.dumps({k: v for k, v in data_stats.items() if k != 'source'})};"
+               f" bad input {json.dumps(data_stats.get('source', {}))}")
+    data_state = None
+    if restored is None:
+      state, state_shardings = create_train_state(model, optimizer, mesh, rules,
+                                                  batch_shapes, jax.random.fold_in(rng, 1))
+      step = 0
+      writer.truncate_after(0)  # rows of a run killed before its first checkpoint
+    else:
+      step, state, extra = restored
+      state_shardings = jax.tree.map(lambda x: x.sharding, abstract)
+      data_state = extra["data"], extra.get("phase", 0)
+      if step >= tc.num_steps:
+        writer.log(f"{workdir}: the run already finished at step {step}")
+        return TrainResult(_last_eval(writer.jsonl_path), step, "already_finished")
+      writer.truncate_after(step)  # rows of steps after it are about to be redone
+      writer.log(f"resumed from step {step}")
+    return _run_phases(config, phases, step, state, data_state, _Run(
+        model, optimizer, schedule, mesh, rules, rng, state_shardings, checkpointer, writer,
+        _Preemption(), flops_lib.peak_flops_per_device(jax.devices()[0],
+                                                      dtype=model.config.dtype)),
+                       objective, eval_objective, batch_shapes, workdir)
+  finally:
+    try:
+      checkpointer.wait()
+      checkpointer.close()
+    finally:
+      writer.close()
 
-  preemption = _Preemption()
-  run = _Run(model, optimizer, schedule, mesh, rules, rng, state_shardings, checkpointer,
-             writer, preemption,
-             flops_lib.peak_flops_per_device(jax.devices()[0], dtype=model.config.dtype))
+
+def _run_phases(config, phases, step: int, state, data_state, run: "_Run", objective,
+                eval_objective, batch_shapes, workdir: str) -> TrainResult:
+  """Runs the phases from `step`; the signal handlers are restored on the way out."""
   eval_metrics: dict = {}
   try:
     for phase, (until_step, phase_config) in enumerate(phases):
@@ -195,10 +263,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
         continue
       if phase:
         _, objective, eval_objective, _ = build_data(phase_config, workdir)
-        batch_shapes = _global_batch_shapes(objective, tc.batch_size)
+        batch_shapes = _global_batch_shapes(objective, config.train.batch_size)
       if len(phases) > 1:
-        writer.log(f"phase {phase}: steps {step}..{until_step}, length"
-                   f" {phase_config.data.length}, {dict(phase_config.data.options)}")
+        run.writer.log(f"phase {phase}: steps {step}..{until_step}, length"
+                       f" {phase_config.data.length}, {dict(phase_config.data.options)}")
       # A checkpoint saved inside this phase carries its iterator; one saved at the
       # previous phase's end carries that phase's, which a new phase does not continue.
       resume_data = data_state[0] if data_state and data_state[1] == phase else None
@@ -207,13 +275,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
           batch_shapes, resume_data)
       data_state = None
       if stopped:
-        break
+        return TrainResult(eval_metrics, step, "stopped")
   finally:
-    preemption.restore()
-    checkpointer.wait()
-    checkpointer.close()
-    writer.close()
-  return eval_metrics
+    run.preemption.restore()
+  return TrainResult(eval_metrics, step, "finished")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +335,7 @@ def _run_phase(run: _Run, config, phase: int, until_step: int, step: int, state,
     return result
 
   def save(step: int, force: bool = False):
+    writer.flush()  # a remote metrics file holds every row its checkpoint has seen
     checkpointer.save(step, state, {"data": batches.get_state(), "phase": phase}, force=force)
 
   eval_metrics: dict = {}
@@ -298,7 +364,8 @@ def _run_phase(run: _Run, config, phase: int, until_step: int, step: int, state,
     if tc.eval_every and step % tc.eval_every == 0:
       eval_metrics = evaluate(step)
     if run.preemption.requested:
-      writer.log(f"SIGTERM: saving a checkpoint at step {step} and exiting")
+      writer.log(f"{run.preemption.requested}: saving a checkpoint at step {step} and"
+                 " stopping; rerun the same command to resume")
       save(step, force=True)
       return step, state, eval_metrics, True
   if checkpointer.latest_step() != step:

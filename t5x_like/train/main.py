@@ -15,7 +15,7 @@ import threading
 from absl import flags
 from ml_collections import config_flags
 
-from t5x_like.command_flags import parse_flags
+from t5x_like.command_flags import FlagError, parse_flags
 
 
 def _flags(argv: list[str]) -> flags.FlagValues:
@@ -76,7 +76,7 @@ def initialize_distributed(fv: flags.FlagValues) -> None:
   if fv.num_processes <= 1:
     return
   if not fv.coordinator_address:
-    raise SystemExit("t5x-like train: --num_processes > 1 needs --coordinator_address")
+    raise FlagError("--num_processes > 1 needs --coordinator_address")
   # Cross-process collectives of the CPU backend (multi-host tests); no effect on TPU/GPU.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   who = (f"the {fv.num_processes} processes (this is process {fv.process_id}; coordinator"
@@ -88,17 +88,22 @@ def initialize_distributed(fv: flags.FlagValues) -> None:
 
 
 def main(argv: list[str]) -> int:
-  fv = parse_flags("train", argv, _flags, required=("config", "workdir"))
-  if fv is None:
-    return 2
+  fv = parse_flags("train", argv, _flags, required=("config", "workdir"), doc=__doc__)
   initialize_distributed(fv)
   from t5x_like.train.loop import NonFiniteLossError, train
   try:
-    eval_metrics = train(fv.config, fv.workdir)
+    result = train(fv.config, fv.workdir)
   except NonFiniteLossError as e:
     print(f"t5x-like train: {e}", file=sys.stderr)
     return 1
-  shown = {k: round(v, 4) for k, v in sorted(eval_metrics.items())
-           if k.endswith(("accuracy", "loss", "perplexity"))}
-  print("final eval: " + ", ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
+  shown = ", ".join(f"{k}={round(v, 4)}" for k, v in sorted(result.items())
+                    if k.endswith(("accuracy", "loss", "perplexity")))
+  if result.status == "stopped":
+    print(f"stopped at step {result.step}: checkpoint saved; rerun the same command to"
+          " resume" + (f" (last eval: {shown})" if shown else ""), flush=True)
+  elif result.status == "already_finished":
+    print(f"already finished at step {result.step} in {fv.workdir}; final eval: "
+          + (shown or "none recorded"), flush=True)
+  else:
+    print(f"final eval: {shown}", flush=True)
   return 0

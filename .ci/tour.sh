@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# A short scripted tour of the README's commands, as a new user types them: relative
+# paths, run from the repository root after the README's main job (workdir/bert).
+# Every command must succeed; each check greps what the README says it prints.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+T=.venv/bin/t5x-like
+step() { printf '\n== %s\n' "$*"; }
+expect() {  # expect FILE PATTERN: the output holds the pattern
+  grep -q -- "$2" "$1" || { echo "tour: expected '$2' in the output of the last command:"; cat "$1"; exit 1; }
+}
+out=$(mktemp)
+trap 'rm -f "$out"' EXIT
+
+step "every command answers --help"
+for cmd in train plan infer finetune models vocab "vocab train" task "task books" bench \
+           "bench data" "bench model" "bench compile" "bench bert-vs-torch"; do
+  # shellcheck disable=SC2086
+  $T $cmd --help > "$out"
+done
+$T --help > "$out"
+for cmd in train plan infer finetune models vocab task bench; do expect "$out" "$cmd"; done
+
+step "rerun of the finished main job: nothing to do, its eval again"
+$T train --config configs/bert_cpu.py --workdir workdir/bert | tee "$out"
+expect "$out" "already finished at step"
+expect "$out" "eval_mlm_accuracy="
+
+step "train, then resume (relative workdir)"
+$T train --config configs/gpt_cpu.py:smoke --workdir workdir/gpt --config.train.num_steps=10 | tee "$out"
+$T train --config configs/gpt_cpu.py:smoke --workdir workdir/gpt 2>&1 | tee "$out"
+expect "$out" "resumed from step 10"
+expect "$out" "final eval:"
+$T train --config configs/t5_cpu.py:smoke --workdir workdir/t5 > "$out" 2>&1
+
+step "infer: generate, score, beam search, fill-mask"
+printf '{"text": "It was the best of times", "target": " it was the worst"}\n' > workdir/prompts.jsonl
+printf '{"text": "It was the best of [MASK], it was the worst of times."}\n' > workdir/masked.jsonl
+$T infer --config configs/gpt_cpu.py:smoke --checkpoint workdir/gpt --input workdir/prompts.jsonl > "$out"
+expect "$out" '"output"'
+$T infer --config configs/gpt_cpu.py:smoke --checkpoint workdir/gpt --input workdir/prompts.jsonl --mode score --target_field target > "$out"
+expect "$out" '"log_likelihood"'
+$T infer --config configs/t5_cpu.py:smoke --checkpoint workdir/t5 --input workdir/prompts.jsonl --output workdir/t5_out.jsonl --num_beams 4 --max_new_tokens 8
+expect workdir/t5_out.jsonl '"output"'
+$T infer --config configs/bert_cpu.py --checkpoint workdir/bert --input workdir/masked.jsonl > "$out"
+expect "$out" '"predictions"'
+
+step "the book task: fine-tune the main job's BERT (relative init.checkpoint)"
+$T task books --out workdir/books --num_blocks 4 --block_words 100 > "$out"
+$T finetune --config configs/finetune_books.py:bert,smoke,dir=workdir/books --workdir workdir/ft --config.init.checkpoint=workdir/bert | tee "$out"
+expect "$out" "final dev metrics"
+test -s workdir/ft/final_metrics.json
+
+step "plan"
+$T plan --config configs/bert_pretrain.py:base --topology v3-32 | tee "$out"
+expect "$out" "110,106,428"
+
+step "launch dry run"
+CONFIG=configs/bert_pretrain.py:base ACCELERATOR=v3-32 WORKDIR=gs://BUCKET/bert-base DRY_RUN=1 launch/tpu.sh all > "$out"
+expect "$out" "t5x-like train --config configs/bert_pretrain.py:base --workdir gs://BUCKET/bert-base"
+
+step "a user error: one line, exit 2"
+set +e
+$T train --config configs/bert_cpu.py --workdir workdir/bert --config.train.num_step=100 2> "$out"
+code=$?
+set -e
+test "$code" = 2 || { echo "tour: expected exit 2, got $code"; exit 1; }
+expect "$out" "did you mean 'train.num_steps'"
+printf '\ntour: every README command ran\n'
