@@ -202,3 +202,31 @@ def test_console_command_one_line_and_exit_2(scratch):
                         timeout=120)
   assert proc.returncode == 2, proc.stderr
   assert proc.stderr.strip().count("\n") == 0 and "train.num_steps" in proc.stderr
+
+
+# ------------------------------------------------------------------------- --help
+HELP = [(["train"], "--workdir"), (["plan"], "--topology"), (["infer"], "--checkpoint"),
+        (["finetune"], "--workdir"), (["models"], "names"), (["vocab"], "train"),
+        (["vocab", "train"], "--source"), (["vocab", "encode"], "--vocab"),
+        (["vocab", "decode"], "ids"), (["task"], "books"), (["task", "books"], "--out"),
+        (["bench"], "bert-vs-torch"), (["bench", "data"], "--objective"),
+        (["bench", "model"], "--steps"), (["bench", "compile"], "--layers"),
+        (["bench", "bert-vs-torch"], "--config")]
+FLAG_COMMANDS = ({"train", "plan", "infer", "finetune"}, {"model", "compile", "bert-vs-torch"})
+
+
+@pytest.mark.parametrize("command, flag", HELP, ids=[" ".join(c) for c, _ in HELP])
+def test_every_command_answers_help(command, flag, capsys):
+  absl = command[0] in FLAG_COMMANDS[0] or command[-1] in FLAG_COMMANDS[1]
+  for option in ("--help", "-h") + (("--helpshort", "--helpfull") if absl else ()):
+    assert cli.main([*command, option]) == 0, option
+    out, err = capsys.readouterr()
+    assert "usage" in out.lower() and flag in out, (option, out, err)
+    assert "Unknown command line flag" not in err
+
+
+def test_top_level_help_lists_every_command(capsys):
+  assert cli.main(["--help"]) == 0
+  out = capsys.readouterr().out
+  for command in ("train", "plan", "infer", "finetune", "models", "vocab", "task", "bench"):
+    assert f"    {command}" in out, command
