@@ -47,7 +47,8 @@ expect "$out" '"predictions"'
 
 step "the book task: fine-tune the main job's BERT (relative init.checkpoint)"
 $T task books --out workdir/books --num_blocks 4 --block_words 100 > "$out"
-$T finetune --config configs/finetune_books.py:bert,smoke,dir=workdir/books --workdir workdir/ft --config.init.checkpoint=workdir/bert | tee "$out"
+$T finetune --config configs/finetune_books.py:bert,dir=workdir/books --workdir workdir/ft --config.init.checkpoint=workdir/bert --config.train.num_steps=20 --config.train.eval_every=10 | tee "$out"
+expect "$out" "step 10: dev"
 expect "$out" "final dev metrics"
 test -s workdir/ft/final_metrics.json
 
