@@ -1,23 +1,84 @@
 """`t5x-like bench model | compile | bert-vs-torch` on tiny configs: the JSON is
-consistent with itself and with the analytic FLOP count, every family runs, bad input
-exits 2. (Speed itself is measured by the benchmarks, never asserted in tests.)"""
+consistent with itself, its FLOP count agrees with a hand count from the model
+dimensions and with the matmuls of the traced training step, every family runs, bad
+input exits 2. (Speed itself is measured by the benchmarks, never asserted in tests.)"""
 
 import json
+import math
 import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from t5x_like import cli
 from t5x_like.bench.torch_bert import torch_inputs
-from t5x_like.train import flops as flops_lib
 from t5x_like.train.defaults import load_config_file
-from t5x_like.train.loop import build_model_from_config, config_vocab
+from t5x_like.experiment import build_model_from_config, config_vocab
 
 _TINY_BERT = ["--config", "configs/bert_cpu.py:smoke", "--config.train.batch_size=8",
               "--config.data.length=32"]
+
+
+# The smoke variants' model dimensions, typed from the overrides in configs/*_cpu.py.
+SMOKE_DIMS = {
+    "configs/bert_cpu.py:smoke": dict(layers=2, d=64, heads=2, head_dim=32, ff=128),
+    "configs/gpt_cpu.py:smoke": dict(layers=1, d=64, heads=2, head_dim=32, ff=128),
+    "configs/t5_cpu.py:smoke": dict(layers=1, d=64, heads=2, head_dim=32, ff=128),
+}
+
+
+def hand_train_flops(config: str, vocab: int, shapes: dict) -> int:
+  """Training FLOPs of one step by hand (Kaplan et al. 2020 sec. 2.1; PaLM app. B).
+
+  2 FLOPs per multiply-add and backward = 2x forward, so 6 x weights x the tokens
+  they multiply, plus 12 x layers x (query x key positions) x heads * head_dim for the
+  attention scores and weighted values (full square, causal too). BERT: the MLM
+  transform and tied decoder at the masked positions only, the pooler and NSP on
+  [CLS]. T5 v1.1: gated MLP (3 matrices), cross-attention K/V over the encoder tokens.
+  """
+  dims = SMOKE_DIMS[config]
+  n, d, ff = dims["layers"], dims["d"], dims["ff"]
+  inner = dims["heads"] * dims["head_dim"]
+  attention = 4 * d * inner  # query, key, value, output projections
+  if "bert" in config:
+    b, s = shapes["encoder_input_tokens"]
+    p = shapes["mlm_positions"][1]
+    return (6 * n * (attention + 2 * d * ff) * b * s + 12 * n * b * s * s * inner
+            + 6 * (d * d + d * vocab) * b * p + 6 * (d * d + d * 2) * b)
+  if "gpt" in config:
+    b, t = shapes["decoder_input_tokens"]
+    return (6 * n * (attention + 2 * d * ff) * b * t + 12 * n * b * t * t * inner
+            + 6 * d * vocab * b * t)
+  b, s = shapes["encoder_input_tokens"]
+  t = shapes["decoder_input_tokens"][1]
+  encoder = 6 * n * (attention + 3 * d * ff) * b * s + 12 * n * b * s * s * inner
+  decoder = (6 * n * (attention + 2 * d * inner + 3 * d * ff) * b * t  # + cross Q, O
+             + 6 * n * 2 * d * inner * b * s  # cross K, V over the encoder tokens
+             + 12 * n * b * (t * t + t * s) * inner + 6 * d * vocab * b * t)
+  return encoder + decoder
+
+
+def dot_flops(jaxpr) -> int:
+  """2 x multiply-adds of every dot_general in `jaxpr`, nested jaxprs included (a scan's
+  body counted `length` times)."""
+  total = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      (_, rhs_contract), (_, rhs_batch) = eqn.params["dimension_numbers"]
+      lhs, rhs = (v.aval.shape for v in eqn.invars)
+      rhs_free = [s for i, s in enumerate(rhs) if i not in rhs_contract + rhs_batch]
+      total += 2 * math.prod(lhs) * math.prod(rhs_free)
+    times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+        if hasattr(sub, "eqns"):
+          total += times * dot_flops(sub)
+  return total
 
 
 def _run(capsys, argv):
@@ -45,13 +106,25 @@ def test_bench_model_reports_consistent_figures(capsys, config, decode):
   seconds = train["step_seconds_median"]
   assert train["tokens_per_second"] == pytest.approx(train["tokens_per_step"] / seconds,
                                                      rel=5e-3)
-  # The FLOPs are the analytic count of train/flops.py for the model and these shapes.
+  # The FLOPs: the hand count from the model dimensions, exactly (same conventions) ...
   c = load_config_file(config)
-  cfg = build_model_from_config(c, config_vocab(c).vocab_size).config
+  model = build_model_from_config(c, config_vocab(c).vocab_size)
+  cfg = model.config
+  dims = SMOKE_DIMS[config]
   assert (cfg.family, cfg.num_layers, cfg.d_model) == (out["family"], out["layers"],
                                                        out["d_model"])
-  want = flops_lib.train_flops_per_step(cfg, {k: tuple(v) for k, v in shapes.items()})
+  assert (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.dim_per_head, cfg.d_ff) == (
+      dims["layers"], dims["d"], dims["heads"], dims["head_dim"], dims["ff"])
+  shapes = {k: tuple(v) for k, v in shapes.items()}
+  want = hand_train_flops(config, cfg.vocab_size, shapes)
   assert train["model_flops_per_step"] == pytest.approx(want, rel=1e-9)
+  # ... and the matmuls the model's forward + backward really runs, counted in its
+  # jaxpr: within 1% (the bias gradients are summed over the tokens by small matmuls,
+  # under 0.2% here; T5 has no biases and matches exactly).
+  batch = {k: jax.ShapeDtypeStruct(v, jnp.int32) for k, v in shapes.items()}
+  grad = jax.grad(lambda p, b: model.loss_fn(p, b, None)[0])
+  traced = dot_flops(jax.make_jaxpr(grad)(model.param_shapes(shapes), batch).jaxpr)
+  assert train["model_flops_per_step"] == pytest.approx(traced, rel=0.01)
   peaks = out["peak_flops_per_device"]
   assert peaks["bfloat16"] > 0 and peaks["float32"] > 0
   mfu = want / seconds / (out["num_devices"] * peaks[out["dtype"]] * 1e12)

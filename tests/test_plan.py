@@ -4,13 +4,14 @@ The big configs are planned on topologies that are not here (v3-32, v3-128); the
 memory estimate is checked against XLA's own analysis of the compiled step on the 8
 fake CPU devices with a CPU-sized BERT. Reference numbers are independent of the code
 under test: Hugging Face's BertForPreTraining parameter counts, a first-principles
-FLOP count, the TPU figures of SPECS.md 6.
+FLOP count, the Cloud TPU v3 figures (123 TFLOP/s and 32 GiB per chip, two cores).
 """
 
 import contextlib
 import importlib.util
 import io
 import json
+import math
 import pathlib
 
 import jax
@@ -18,7 +19,7 @@ import pytest
 
 from t5x_like import cli, parallel
 from t5x_like.plan import make_plan, parse_topology, planned_mesh
-from t5x_like.train.loop import build_model_from_config
+from t5x_like.experiment import build_model_from_config
 from t5x_like.train.optimizers import make_optimizer
 from t5x_like.train.state import train_state_shardings
 
@@ -27,7 +28,7 @@ BERT_CONFIG = str(pathlib.Path(__file__).parents[1] / "configs" / "bert_pretrain
 HF_PARAMS = {"base": 110_106_428, "large": 336_226_108}
 SIZES = {"base": dict(layers=12, d=768, ff=3072), "large": dict(layers=24, d=1024, ff=4096)}
 TOPOLOGY = {"base": "v3-32", "large": "v3-128"}
-V3_PEAK, V3_HBM = 61.5e12, 16 * 2**30  # one v3 TensorCore = one JAX device (SPECS.md 6)
+V3_PEAK, V3_HBM = 61.5e12, 16 * 2**30  # one v3 TensorCore = one JAX device
 
 
 def _plan_cli(capsys, *args) -> tuple[int, str, str]:
@@ -186,7 +187,49 @@ def test_remat_full_saves_memory_in_estimate_and_in_xla(cpu_plans):
   assert full["flops_per_step"] == none["flops_per_step"]  # recompute is not useful work
 
 
+# configs/bert_pretrain.py:base,local on data=2 x fsdp=2 x tensor=2, by hand from the
+# default rules (embed -> fsdp; vocab, heads, mlp -> tensor; the rest replicated);
+# scanned layers: a leading replicated 'layers' dim.
+LOCAL_DIMS = dict(layers=2, d=64, heads=2, head_dim=32, ff=128, positions=128)
+HAND_SPECS = {
+    "token_embed/embedding": "P('tensor', 'fsdp')",
+    "position_embed/embedding": "P(None, 'fsdp')",
+    "embedding_norm/scale": "P('fsdp')",
+    "encoder/layers/self_attention/query/kernel": "P(None, 'fsdp', 'tensor', None)",
+    "encoder/layers/self_attention/query/bias": "P(None, 'tensor', None)",
+    "encoder/layers/self_attention/out/kernel": "P(None, 'tensor', None, 'fsdp')",
+    "encoder/layers/mlp/wi/kernel": "P(None, 'fsdp', 'tensor')",
+    "encoder/layers/mlp/wo/kernel": "P(None, 'tensor', 'fsdp')",
+    "encoder/layers/mlp_norm/scale": "P(None, 'fsdp')",
+    "mlm_bias": "P('tensor')",
+}
+
+
+def bert_param_bytes_per_device(layers, d, heads, head_dim, ff, positions, vocab, fsdp,
+                                tensor) -> int:
+  """float32 bytes of one device's shards of BERT's params, each dim split as HAND_SPECS:
+  d over fsdp, vocab / heads / d_ff over tensor (the pooler and MLM transform split
+  their output dim over tensor too)."""
+  inner = heads * head_dim
+  embeddings = (vocab * d // (tensor * fsdp) + positions * d // fsdp  # token, position
+                + 2 * d // fsdp + 2 * d // fsdp)  # type embedding, embedding norm
+  attention = (4 * d * inner // (fsdp * tensor) + 3 * inner // tensor + d // fsdp
+               + 2 * d // fsdp)  # Q, K, V, O kernels; Q, K, V biases; O bias; norm
+  mlp = 2 * d * ff // (fsdp * tensor) + ff // tensor + d // fsdp + 2 * d // fsdp
+  bert_heads = (vocab // tensor + 2 * d // fsdp  # MLM bias and norm
+                + 2 * (d * d // (fsdp * tensor) + d // tensor)  # MLM transform, pooler
+                + 2 * d // fsdp + 2)  # NSP classifier
+  return 4 * (embeddings + layers * (attention + mlp) + bert_heads)
+
+
+def _spec_text(spec, ndim) -> str:
+  entries = list(spec) + [None] * (ndim - len(spec))
+  return "P(" + ", ".join(map(repr, entries)) + ")"
+
+
 def test_planned_shardings_are_the_ones_training_uses(capsys):
+  """The plan and training's state shardings both match the hand-written specs and
+  the hand count of bytes per device."""
   rc, out, err = _plan_cli(capsys, "--config", f"{BERT_CONFIG}:base,local", "--topology",
                            "cpu-8", "--compile", "no", "--json", "--config.mesh.fsdp=2",
                            "--config.mesh.tensor=2")
@@ -194,23 +237,34 @@ def test_planned_shardings_are_the_ones_training_uses(capsys):
   plan = json.loads(out)
   assert plan["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2} and plan["compiled"] is False
   config = _config("base,local")
-  model = build_model_from_config(config, plan["model"]["vocab_size"])
+  vocab = plan["model"]["vocab_size"]
+  model = build_model_from_config(config, vocab)
+  cfg = model.config
+  assert dict(layers=cfg.num_layers, d=cfg.d_model, heads=cfg.num_heads,
+              head_dim=cfg.dim_per_head, ff=cfg.d_ff,
+              positions=cfg.max_position_embeddings) == LOCAL_DIMS
   optimizer, _ = make_optimizer(config.optimizer, config.train.num_steps)
   mesh = parallel.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   shapes = {k: tuple(v) for k, v in plan["phases"][0]["batch_shapes"].items()}
   shardings = train_state_shardings(model, optimizer, mesh, parallel.DEFAULT_RULES, shapes)
+  param_shapes = model.param_shapes(shapes)
   real = {}
   for path, sharding in jax.tree_util.tree_leaves_with_path(shardings.params):
-    name = "/".join(str(getattr(k, "key", k)) for k in path)
-    real[name] = sharding
+    real["/".join(str(getattr(k, "key", k)) for k in path)] = sharding
+  shape_of = {"/".join(str(getattr(k, "key", k)) for k in path): x.shape
+              for path, x in jax.tree_util.tree_leaves_with_path(param_shapes)}
   rows = {r["name"]: r for g in plan["params"]["groups"].values() for r in g["rows"]}
   assert set(rows) == set(real)  # 2 layers, no 'layers_*' merging at scan_layers=True
-  shard_bytes = 0
-  for name, sharding in real.items():
-    assert rows[name]["spec"] == "P(" + ", ".join(map(repr, sharding.spec)) + ")", name
-    shape = tuple(rows[name]["shape"])
-    shard_bytes += 4 * jax.numpy.prod(jax.numpy.array(sharding.shard_shape(shape)))
-  assert plan["params"]["bytes_per_device"] == int(shard_bytes)
+  # Named params: the plan and training both shard them as written by hand.
+  for name, spec in HAND_SPECS.items():
+    assert rows[name]["spec"] == spec, name
+    assert _spec_text(real[name].spec, len(shape_of[name])) == spec, name
+  # Bytes per device: by hand from the dimensions and the axis sizes, in the plan and in
+  # the shards training would hold.
+  assert vocab % 4 == 0
+  want = bert_param_bytes_per_device(**LOCAL_DIMS, vocab=vocab, fsdp=2, tensor=2)
+  assert plan["params"]["bytes_per_device"] == want
+  assert sum(4 * math.prod(s.shard_shape(shape_of[n])) for n, s in real.items()) == want
 
 
 def test_without_topology_plans_the_devices_present(capsys):

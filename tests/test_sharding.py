@@ -1,4 +1,9 @@
-"""Meshes, logical-axis rules and sharded params / forwards of every family (8 fake CPUs)."""
+"""Meshes, logical-axis rules and sharded params / forwards of every family (8 fake CPUs).
+
+Expected shardings are written by hand (the tensor-parallel layout of each param);
+per-device parameter counts are checked against Hugging Face transformers' counts."""
+
+import math
 
 import flax.linen as nn
 import jax
@@ -83,8 +88,79 @@ EXPECTED = {
         ("decoder", "layers_0", "cross_attention_norm", "scale"): (None,),
     },
 }
-# Independent of the rule machinery: what each logical name becomes on ('data', 'model').
-LOGICAL_ON_DATA_MODEL = {"heads": _M, "mlp": _M, "vocab": _M}
+# Independent of the models' logical names and of the rules: the dim of each param that
+# tensor parallelism splits (Megatron-LM, Shoeybi et al. 2019), keyed by the end of its
+# path: the vocab of the embedding, logits and MLM bias; the heads of Q, K, V, O and of
+# the relative position bias; d_ff of the MLP; the output dim of BERT's pooler and MLM
+# transform. K and V of grouped-query attention stay whole (their few heads are shared).
+# Every other param is replicated; scanned layers add a leading (replicated) dim.
+TENSOR_PARALLEL_DIM = {
+    ("token_embed", "embedding"): 0, ("logits_dense", "kernel"): 1, ("mlm_bias",): 0,
+    ("relpos", "rel_embedding"): 0,
+    ("query", "kernel"): 1, ("key", "kernel"): 1, ("value", "kernel"): 1,
+    ("query", "bias"): 0, ("key", "bias"): 0, ("value", "bias"): 0, ("out", "kernel"): 0,
+    ("wi", "kernel"): 1, ("wi_0", "kernel"): 1, ("wi_1", "kernel"): 1, ("wi", "bias"): 0,
+    ("wo", "kernel"): 0,
+    ("pooler", "kernel"): 1, ("pooler", "bias"): 0,
+    ("mlm_transform", "kernel"): 1, ("mlm_transform", "bias"): 0,
+}
+D, HEADS, FF, RELPOS_BUCKETS = 36, 6, 74, 32  # the CONFIGS' dimensions (T5's default buckets)
+
+
+def _tensor_parallel_spec(path, shape, config):
+  """Expected spec of a param on ('data', 'model') from its path (TENSOR_PARALLEL_DIM)."""
+  dim = TENSOR_PARALLEL_DIM.get(path[-2:], TENSOR_PARALLEL_DIM.get(path[-1:]))
+  if path[-2:-1] in (("key",), ("value",)) and config.kv_heads != config.num_heads:
+    dim = None
+  spec = [None] * len(shape)
+  if dim is not None:
+    spec[dim + (1 if "layers" in path else 0)] = _M
+  return tuple(spec)
+
+
+def hf_num_params(name: str) -> int:
+  """Parameter count of the Hugging Face transformers model equivalent to CONFIGS[name],
+  built on torch's meta device (nothing allocated, nothing downloaded)."""
+  torch = pytest.importorskip("torch")
+  hf = pytest.importorskip("transformers")
+  if name == "bert":
+    model_class, config = hf.BertForPreTraining, hf.BertConfig(
+        vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=HEADS,
+        intermediate_size=FF, max_position_embeddings=16, type_vocab_size=2)
+  elif name.startswith("gpt2"):
+    model_class, config = hf.GPT2LMHeadModel, hf.GPT2Config(
+        vocab_size=VOCAB, n_positions=16, n_embd=D, n_layer=2, n_head=HEADS, n_inner=FF,
+        bos_token_id=1, eos_token_id=1)
+  else:
+    v1_1 = name == "t5_v1_1_scan"
+    model_class, config = hf.T5ForConditionalGeneration, hf.T5Config(
+        vocab_size=VOCAB, d_model=D, d_kv=8, d_ff=FF, num_layers=2 if v1_1 else 1,
+        num_decoder_layers=3 if v1_1 else 1, num_heads=HEADS,
+        feed_forward_proj="gated-gelu" if v1_1 else "relu", tie_word_embeddings=not v1_1)
+  with torch.device("meta"):
+    model = model_class(config)
+  count = sum(p.numel() for p in model.parameters())  # tied weights once
+  if name == "t5_v1_1_scan" and model.lm_head.weight is model.shared.weight:
+    count += VOCAB * D  # transformers ties T5's lm_head even when asked not to
+  if name == "gpt2_gqa_scan":  # K and V kernels and biases with 3 of the 6 heads
+    count -= 2 * 2 * (D + 1) * 3 * (D // HEADS)
+  return count
+
+
+def tensor_parallel_params(name: str) -> int:
+  """How many of CONFIGS[name]'s params TENSOR_PARALLEL_DIM splits, from its dimensions."""
+  if name in ("bert", "gpt2", "gpt2_gqa_scan"):
+    inner = D  # 6 heads of 6
+    qkv = (1 if name == "gpt2_gqa_scan" else 3) * (D + 1) * inner  # kernels and biases
+    layer = qkv + inner * D + 2 * D * FF + FF  # + O kernel, MLP kernels, wi bias
+    heads = VOCAB + 2 * (D * D + D) if name == "bert" else 0  # MLM bias, transform, pooler
+    return VOCAB * D + 2 * layer + heads
+  inner = HEADS * 8
+  mlp = (3 if name == "t5_v1_1_scan" else 2) * D * FF
+  encoder, decoder = (2, 3) if name == "t5_v1_1_scan" else (1, 1)
+  logits = VOCAB * D if name == "t5_v1_1_scan" else 0  # untied in v1.1
+  return (VOCAB * D + logits + 2 * HEADS * RELPOS_BUCKETS + encoder * (4 * D * inner + mlp)
+          + decoder * (8 * D * inner + mlp))
 
 
 def _norm(spec, ndim):
@@ -114,8 +190,8 @@ def _sharded_forward(model, mesh, rules, batch, rng=None):
   # 'rbg' keys compile much faster than threefry on CPU; one test keeps the default.
   rng = jax.random.key(1, impl="rbg") if rng is None else rng
   shapes = {k: v.shape for k, v in batch.items()}
-  params = parallel.shard_params(model, mesh, rules, rng, shapes)
   param_sh = parallel.param_shardings(model, mesh, rules, shapes)
+  params = jax.jit(lambda r: model.init(r, shapes), out_shardings=param_sh)(rng)
   with parallel.mesh_rules(mesh, rules):
     fwd = jax.jit(model.logits, in_shardings=(param_sh, parallel.batch_shardings(batch, mesh,
                                                                                  rules)))
@@ -144,7 +220,7 @@ def test_params_sharded_by_rules_and_forward_matches(name, mesh_4x2):
   for path, spec in EXPECTED[name].items():
     assert path in flat, (path, sorted(flat))
     assert _norm(flat[path].sharding.spec, flat[path].ndim) == spec, path
-  # Every param: its spec follows from its logical names (mapped here by hand).
+  # Every param: sharded as the tensor-parallel layout says (by its path, by hand).
   logical = _flat(model.param_axes({k: v.shape for k, v in batch.items()}),
                   is_leaf=lambda x: isinstance(x, P))
   assert logical.keys() == flat.keys()
@@ -153,11 +229,15 @@ def test_params_sharded_by_rules_and_forward_matches(name, mesh_4x2):
     names = tuple(logical[path])
     assert len(names) == x.ndim, path
     assert ("layers" in names) == (scanned and "layers" in path), path
-    want = tuple(LOGICAL_ON_DATA_MODEL.get(n) for n in names)
+    want = _tensor_parallel_spec(path, x.shape, model.config)
     assert _norm(x.sharding.spec, x.ndim) == want, (path, names)
     # The shards really are split that way.
     shard_shape = x.addressable_shards[0].data.shape
     assert shard_shape == tuple(s // 2 if w == _M else s for s, w in zip(x.shape, want)), path
+  # One device holds all of Hugging Face's count of the same model but half of the
+  # params the tensor-parallel layout splits (counted from the dimensions).
+  per_device = sum(math.prod(x.addressable_shards[0].data.shape) for x in flat.values())
+  assert per_device == hf_num_params(name) - tensor_parallel_params(name) // 2
 
   ref = _single_device_forward(model, params, batch)
   for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
@@ -244,14 +324,27 @@ def test_rules_for_mesh_keeps_later_fallback():
   assert nn.logical_to_mesh_axes(("embed",), (("embed", None), ("embed", "model"))) == P(None)
 
 
-def test_default_rules_cover_every_logical_name():
-  names = {r[0] for r in parallel.DEFAULT_RULES}
-  assert names == set(parallel.LOGICAL_AXES)
+def test_default_rules_cover_every_logical_name(monkeypatch):
+  """The rules (and LOGICAL_AXES) name exactly the logical axes the models use: those of
+  their params and of the activations they constrain, recorded while tracing each
+  family's forward."""
+  used = set()
+
+  def record(x, axes, *args, **kwargs):
+    used.update(n for n in axes if n is not None)
+    return x
+
+  monkeypatch.setattr(nn, "with_logical_constraint", record)
   for make in CONFIGS.values():
     model = models.build_model(make())
     specs = jax.tree.leaves(model.param_axes(), is_leaf=lambda x: isinstance(x, P))
-    used = {n for spec in specs for n in spec if n is not None}
-    assert used <= names, used - names
+    used.update(n for spec in specs for n in spec if n is not None)
+    batch = {k: jax.ShapeDtypeStruct(v, np.int32)
+             for k, v in model.example_batch_shapes().items()}
+    jax.eval_shape(model.logits, model.param_shapes(), batch)
+  assert {"batch", "length"} <= used  # activations only: the recording worked
+  assert {r[0] for r in parallel.DEFAULT_RULES} == used
+  assert set(parallel.LOGICAL_AXES) == used
 
 
 def test_batch_sharding_and_shard_batch(mesh_4x2):
