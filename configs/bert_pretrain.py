@@ -1,4 +1,4 @@
-"""BERT-base / BERT-large pretraining with the paper's recipe (SPECS.md 3).
+"""BERT-base / BERT-large pretraining with the paper's recipe (Devlin et al. 2019, A.2).
 
   t5x-like train --config configs/bert_pretrain.py:base  --workdir gs://BUCKET/bert-base
   t5x-like train --config configs/bert_pretrain.py:large --workdir gs://BUCKET/bert-large

@@ -1,4 +1,4 @@
-"""GPT-2 124M / 355M causal LM pretraining (SPECS.md 5).
+"""GPT-2 124M / 355M causal LM pretraining (Radford et al. 2019).
 
   t5x-like train --config configs/gpt2_pretrain.py:124m --workdir gs://BUCKET/gpt2
   t5x-like train --config configs/gpt2_pretrain.py:124m,local --workdir /tmp/g  (CPU)

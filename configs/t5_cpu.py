@@ -14,7 +14,7 @@ def get_config(arg: str = ""):
                            num_heads=2, head_dim=64)
   c.model.dtype = "bfloat16"  # bf16 matmuls with float32 accumulation; params float32
   c.data.objective = "span_corruption"
-  c.data.length = 128  # inputs; targets 29 (SPECS.md 1)
+  c.data.length = 128  # inputs; targets 29 (T5's random_spans_helper)
   c.train.batch_size = 32
   c.train.num_steps = 2000
   c.train.log_every = 50

@@ -1,4 +1,5 @@
-"""T5 v1.1 small / base / large: span corruption on C4 (SPECS.md 1 and 4).
+"""T5 v1.1 small / base / large: span corruption on C4 (Raffel et al. 2020; the T5 v1.1
+release notes).
 
   t5x-like train --config configs/t5_pretrain.py:base --workdir gs://BUCKET/t5-base
   t5x-like train --config configs/t5_pretrain.py:small,local --workdir /tmp/t5  (CPU)

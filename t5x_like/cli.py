@@ -85,7 +85,7 @@ class _OneLineErrors(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from t5x_like.bench.data import DEFAULT_LENGTHS
+  from t5x_like.data.pipeline import OBJECTIVES
   from t5x_like.data import vocab_cli
   parser = _OneLineErrors(
       prog="t5x-like", description=__doc__,
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
   bench = sub.add_parser("bench", help="benchmarks: data, model, compile, bert-vs-torch"
                          ).add_subparsers(dest="what", required=True, metavar="BENCHMARK")
   data = bench.add_parser("data", help=_cmd_bench_data.__doc__)
-  data.add_argument("--objective", required=True, choices=sorted(DEFAULT_LENGTHS))
+  data.add_argument("--objective", required=True, choices=sorted(OBJECTIVES))
   data.add_argument("--length", type=int, default=None,
                     help="sequence length (default: the objective's usual one)")
   data.add_argument("--batch", type=int, default=64)

@@ -14,3 +14,8 @@ USER_ERROR_EXIT = 2
 
 class UserError(Exception):
   """A mistake the user can fix; the message names the key, file or path."""
+
+
+class NonFiniteLossError(RuntimeError):
+  """Training's loss became NaN or infinite (a failure, exit status 1); the message
+  names the step."""

@@ -1,4 +1,4 @@
-"""BERT pretraining examples against SPECS.md section 2.
+"""BERT pretraining examples against create_pretraining_data.py (google-research/bert).
 
 The test store gives every token position its own id (id = OFFSET + position), so an
 example's provenance is read off its ids: a run of consecutive ids is a contiguous
@@ -235,8 +235,8 @@ def test_whole_word_masking_never_splits_a_word():
 
 
 def greedy_whole_words(words, keys, budget):
-  """SPECS.md 2 literally: shuffle the words (by key), take them in order, skipping a
-  word that would overflow the budget."""
+  """create_masked_lm_predictions literally: shuffle the words (by key), take them in
+  order, skipping a word that would overflow the budget."""
   taken = []
   for w in sorted(words, key=lambda w: keys[w[0]]):
     if len(taken) >= budget:
@@ -275,7 +275,7 @@ def test_vectorised_whole_word_choice_is_the_sequential_greedy():
 
 
 def spec_truncate(la, lb, max_tokens):
-  """SPECS.md 2: while too long drop one token from the longer side (B on ties)."""
+  """truncate_seq_pair: while too long drop one token from the longer side (B on ties)."""
   da = db = 0
   while la + lb > max_tokens:
     if la > lb:

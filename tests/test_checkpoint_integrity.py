@@ -20,8 +20,8 @@ from t5x_like import parallel
 from t5x_like.errors import UserError
 from t5x_like.train import checkpoints
 from t5x_like.train.checkpoints import (CheckpointDirectoryError, Checkpointer,
-                                        CheckpointSpaceError, CorruptCheckpointError,
-                                        find_checkpoint, restore_params)
+                                        CheckpointSpaceError, CorruptCheckpointError)
+from t5x_like.train.pretrained import find_checkpoint, restore_params
 
 # A failed tensorstore read leaves orbax coroutines unawaited; they warn when collected.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

@@ -13,7 +13,7 @@ import pytest
 from t5x_like import cli, corpus
 from t5x_like.finetune import books
 from t5x_like.finetune.loop import epoch_rows
-from t5x_like.train.checkpoints import find_checkpoint
+from t5x_like.train.pretrained import find_checkpoint
 from t5x_like.train.metrics import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -185,7 +185,7 @@ def _pick_eos(free_tokens, generate_with_eos):
 def test_cached_decoding_equals_full_forward_decoding_gpt2(gpt2, num_beams):
   _, model, params = gpt2
   batch = _gpt2_batch(padded=True)
-  predict = lambda eos: model.predict(params, batch, max_new_tokens=N_NEW,
+  predict = lambda eos: infer.predict(model, params, batch, max_new_tokens=N_NEW,
                                       num_beams=num_beams, eos_id=eos)
   free = predict(None)
   eos, cached = _pick_eos(free, predict)
@@ -200,7 +200,7 @@ def test_cached_decoding_equals_full_forward_decoding_t5(t5, num_beams):
   _, model, params = t5
   encoder_tokens = _t5_inputs(padded=True)
   batch = {"encoder_input_tokens": encoder_tokens}
-  predict = lambda eos: model.predict(params, batch, max_new_tokens=N_NEW,
+  predict = lambda eos: infer.predict(model, params, batch, max_new_tokens=N_NEW,
                                       num_beams=num_beams, eos_id=eos)
   free = predict(None)
   eos, cached = _pick_eos(free, predict)
@@ -216,8 +216,8 @@ def test_beam_search_reorders_a_scanned_cache(t5, t5_dir):
   assert scanned_model.config.scan_layers
   batch = {"encoder_input_tokens": _t5_inputs(padded=True)}
   kw = dict(max_new_tokens=N_NEW, num_beams=3, eos_id=None)
-  np.testing.assert_array_equal(scanned_model.predict(scanned_params, batch, **kw),
-                                model.predict(params, batch, **kw))
+  np.testing.assert_array_equal(infer.predict(scanned_model, scanned_params, batch, **kw),
+                                infer.predict(model, params, batch, **kw))
 
 
 # ---------------------------------------------------------------- Hugging Face generate
@@ -280,11 +280,11 @@ def test_gpt2_generation_equals_transformers(gpt2, padded, settings):
 def _assert_equals_hf_with_and_without_eos(model, params, batch, hf, settings):
   """Ours == hf(eos) without an eos, then with an eos id that HF's free run produces."""
   hf_free = hf(NO_EOS)
-  ours_free = model.predict(params, batch, max_new_tokens=N_NEW, eos_id=None, **settings)
+  ours_free = infer.predict(model, params, batch, max_new_tokens=N_NEW, eos_id=None, **settings)
   _assert_same_generation(ours_free, hf_free, None)
 
   eos, hf_eos = _pick_eos(hf_free, hf)
-  ours_eos = model.predict(params, batch, max_new_tokens=N_NEW, eos_id=eos, **settings)
+  ours_eos = infer.predict(model, params, batch, max_new_tokens=N_NEW, eos_id=eos, **settings)
   _assert_same_generation(ours_eos, hf_eos, eos)
 
 
@@ -308,7 +308,8 @@ def test_t5_generation_equals_transformers(t5, padded, settings):
 def test_sampling_is_a_function_of_the_key_and_filters_reduce_to_greedy(gpt2):
   _, model, params = gpt2
   batch = _gpt2_batch(padded=True)
-  predict = lambda **kw: np.asarray(model.predict(params, batch, max_new_tokens=N_NEW, **kw))
+  predict = lambda **kw: np.asarray(infer.predict(model, params, batch, max_new_tokens=N_NEW,
+                                                  **kw))
   greedy = predict()
   first = predict(rng=_key(1))
   np.testing.assert_array_equal(first, predict(rng=_key(1)))
@@ -328,7 +329,7 @@ def test_top_k_samples_only_the_top_k_tokens_in_proportion(gpt2):
   probs = np.exp(logits[top] - logits[top].max())
   probs /= probs.sum()
   batch = {"decoder_input_tokens": np.repeat(prompt, samples, 0)}
-  drawn = np.asarray(model.predict(params, batch, max_new_tokens=1, rng=_key(4),
+  drawn = np.asarray(infer.predict(model, params, batch, max_new_tokens=1, rng=_key(4),
                                    top_k=k))[:, 0]
   assert set(drawn.tolist()) == set(top.tolist())
   freq = np.array([(drawn == t).mean() for t in top])
@@ -353,7 +354,7 @@ def test_scoring_gpt2_equals_full_forward_and_transformers_loss(gpt2):
   valid[1, 6:] = 0  # right padding
   batch = {"decoder_input_tokens": ids[:, :-1], "decoder_target_tokens": ids[:, 1:],
            "decoder_loss_weights": valid[:, 1:]}
-  scores = model.score(params, batch)
+  scores = infer.score(model, params, batch)
   assert scores["token_log_likelihood"].shape == (3, 8)
   np.testing.assert_allclose(scores["log_likelihood"],
                              _reference_log_likelihood(model, params, batch, valid[:, 1:]),
@@ -378,7 +379,7 @@ def test_scoring_t5_equals_full_forward_and_transformers_loss(t5):
   inputs = np.concatenate([np.zeros((4, 1), np.int32), targets[:, :-1]], 1)
   batch = {"encoder_input_tokens": encoder_tokens, "decoder_input_tokens": inputs,
            "decoder_target_tokens": targets, "decoder_loss_weights": weights}
-  scores = model.score(params, batch)
+  scores = infer.score(model, params, batch)
   np.testing.assert_allclose(scores["log_likelihood"],
                              _reference_log_likelihood(model, params, batch, weights),
                              rtol=1e-5)
@@ -404,6 +405,6 @@ def test_sharded_decoding_equals_unsharded(gpt2, t5, family, num_beams):
   assert embedding.addressable_shards[0].data.shape[0] == VOCAB // 2
 
   kw = dict(max_new_tokens=N_NEW, num_beams=num_beams, eos_id=None)
-  want = np.asarray(model.predict(params, batch, **kw))
-  got = model.predict(sharded, batch, mesh=mesh, rules=parallel.DEFAULT_RULES, **kw)
+  want = np.asarray(infer.predict(model, params, batch, **kw))
+  got = infer.predict(model, sharded, batch, mesh=mesh, rules=parallel.DEFAULT_RULES, **kw)
   np.testing.assert_array_equal(np.asarray(got), want)

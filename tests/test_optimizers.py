@@ -1,4 +1,5 @@
-"""Optimizers and schedules: values from the formulas (SPECS.md 3, 4), worked by hand."""
+"""Optimizers and schedules: values from the formulas (BERT optimization.py, Adafactor),
+worked by hand."""
 
 import math
 

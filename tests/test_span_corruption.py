@@ -1,4 +1,4 @@
-"""T5 span corruption against SPECS.md section 1 (formulas, the 40-token example,
+"""T5 span corruption against t5.data.preprocessors (formulas, the 40-token example,
 reconstruction, sentinel order, statistics) and the stream pipeline around it."""
 
 import math
@@ -16,14 +16,14 @@ EOS = 1
 
 
 def spec_lengths(n, density=0.15, mean=3.0):
-  """SPECS.md 1: (inputs_len, targets_len) of a raw piece of n tokens."""
+  """random_spans_helper: (inputs_len, targets_len) of a raw piece of n tokens."""
   noise = round(n * density)
   spans = round(noise / mean)
   return n - noise + spans + 1, noise + spans + 1
 
 
 def spec_mask_counts(n, density, mean):
-  """SPECS.md 1: noise clamped into [1, n-1], spans = max(1, round(noise / mean))."""
+  """random_spans_noise_mask: noise clamped into [1, n-1], spans = max(1, round(noise / mean))."""
   noise = min(max(round(n * density), 1), n - 1)
   return noise, max(1, round(noise / mean))
 
@@ -49,7 +49,7 @@ def reconstruct(inputs, targets, first_sentinel):
                                                        (256, 284, 58), (1024, 1137, 229)])
 def test_lengths_match_the_specs_table_and_a_full_piece_fills_them(inputs_length, raw, targets):
   assert span_corruption_lengths(inputs_length) == (raw, targets)
-  # the SPECS definition: the largest n whose inputs fit
+  # random_spans_helper's definition: the largest n whose inputs fit
   assert spec_lengths(raw) == (inputs_length, targets)
   assert spec_lengths(raw + 1)[0] > inputs_length
   inputs, out_targets = span_corruption(np.arange(raw) + 5, np.random.default_rng(0),
@@ -75,7 +75,7 @@ def test_the_specs_40_token_example():
       assert targets.tolist() == expected_targets
       break
   else:
-    pytest.fail("no generator produced the SPECS layout (1 in 165 expected)")
+    pytest.fail("no generator produced the paper's layout (1 in 165 expected)")
 
 
 def test_random_pieces_reconstruct_exactly_with_sentinels_counting_down():
@@ -140,7 +140,7 @@ def make_store(num_docs=40, seed=0):
 
 
 def epoch_stream(store, seed, epoch):
-  """SPECS/brief: documents permuted by default_rng([seed, epoch]), concatenated."""
+  """Documents permuted by default_rng([seed, epoch]), concatenated."""
   order = np.random.default_rng([seed, epoch]).permutation(store.num_docs)
   return np.concatenate([store.doc_tokens(d) for d in order])
 

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+from t5x_like.errors import NonFiniteLossError
 from t5x_like.train import loop
 from t5x_like.train.metrics import read_jsonl
 
@@ -226,7 +227,7 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_good_checkpoints(tmp_pa
 
   monkeypatch.setattr(loop, "make_train_step", poisoned_make)
   workdir = str(tmp_path / "run")
-  with pytest.raises(loop.NonFiniteLossError, match="at step 7"):
+  with pytest.raises(NonFiniteLossError, match="at step 7"):
     loop.train(config, workdir)
   steps = sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
   assert steps and steps[-1] == 6  # no checkpoint written at or after the bad step

@@ -11,13 +11,10 @@ import statistics
 import time
 
 from t5x_like.data.loader import BatchPlan
-from t5x_like.data.pipeline import OBJECTIVE_FAMILIES, make_objective
+from t5x_like.data.pipeline import OBJECTIVES, make_objective
 from t5x_like.data.sources import EmbeddedCorpus
 from t5x_like.data.tokenize import build_store, tokenization_throughput
 from t5x_like.data.vocab import default_vocab
-
-DEFAULT_LENGTHS = {"span_corruption": 512, "bert_mlm": 128, "causal_lm": 1024,
-                   "prefix_lm": 1024, "prefix_lm_encdec": 512}
 
 
 def bench_objective(objective: str, *, length: int | None = None, batch_size: int = 64,
@@ -28,10 +25,11 @@ def bench_objective(objective: str, *, length: int | None = None, batch_size: in
   Tokens are counted as the sequence length of the produced rows (encoder inputs for
   span corruption, max_seq_length for BERT, the decoder length for LM objectives).
   """
-  length = length or DEFAULT_LENGTHS[objective]
-  vocab = default_vocab(OBJECTIVE_FAMILIES[objective])
+  spec = OBJECTIVES[objective]
+  length = length or spec.default_length
+  vocab = default_vocab(spec.vocab_family)
   store, store_stats = build_store(EmbeddedCorpus(), vocab)
-  extra = {"targets_length": length} if objective == "prefix_lm_encdec" else {}
+  extra = {"targets_length": length} if spec.needs_targets_length else {}
   obj = make_objective(objective, store, vocab, seed=seed, length=length, **extra)
   plan = BatchPlan(obj, batch_size, seed=seed)
   plan.host_batch(0)  # per-epoch plans and streams are built once, like in training

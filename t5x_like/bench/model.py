@@ -28,7 +28,6 @@ import ml_collections
 import numpy as np
 
 from t5x_like.data.loader import make_loader
-from t5x_like.data.pipeline import make_objective
 from t5x_like.data.sources import EmbeddedCorpus
 from t5x_like.data.tokenize import build_store
 from t5x_like.infer.steppers import zero_cache
@@ -36,7 +35,7 @@ from t5x_like.parallel import DEFAULT_RULES, mesh_from_config, shard_batch
 from t5x_like.plan.compiled import compile_train_step, xla_memory
 from t5x_like.train import flops as flops_lib
 from t5x_like.train.config_check import validate
-from t5x_like.train.loop import build_model_from_config, config_vocab, objective_kwargs
+from t5x_like.experiment import build_model_from_config, build_objective, config_vocab
 from t5x_like.train.optimizers import make_optimizer
 from t5x_like.train.state import create_train_state
 from t5x_like.train.step import make_train_step
@@ -67,8 +66,7 @@ def host_batches(config: ml_collections.ConfigDict, vocab, count: int = _NUM_BAT
                  ) -> list[dict[str, np.ndarray]]:
   """`count` global batches of config's objective over the embedded corpus (numpy)."""
   store, _ = build_store(EmbeddedCorpus(), vocab)
-  objective = make_objective(config.data.objective, store, vocab, seed=config.seed,
-                             length=config.data.length, **objective_kwargs(config))
+  objective = build_objective(config, store, vocab, seed=config.seed)
   batches = iter(make_loader(objective, config.train.batch_size, seed=config.seed,
                              num_workers=0))
   return [next(batches) for _ in range(count)]

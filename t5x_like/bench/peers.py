@@ -18,7 +18,7 @@ import ml_collections
 
 from t5x_like.bench.model import TrainBench, disable_compilation_cache, host_batches
 from t5x_like.bench.torch_bert import TorchBertStep
-from t5x_like.train.loop import build_model_from_config, config_vocab
+from t5x_like.experiment import build_model_from_config, config_vocab
 
 DTYPES = ("bfloat16", "float32")
 

@@ -19,7 +19,7 @@ import numpy as np
 
 
 def torch_inputs(batch: Mapping[str, np.ndarray]) -> dict:
-  """Our BERT batch (DESIGN.md feature names) -> BertForPreTraining keyword arguments."""
+  """Our BERT batch (models/model.py feature names) -> BertForPreTraining keyword arguments."""
   import torch
   tokens = np.asarray(batch["encoder_input_tokens"])
   labels = np.full(tokens.shape, -100, np.int64)

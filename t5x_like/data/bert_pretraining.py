@@ -1,4 +1,4 @@
-"""BERT pretraining examples: sentence pairs with NSP and on-the-fly masking (SPECS.md 2).
+"""BERT pretraining examples: sentence pairs with NSP and on-the-fly masking (Devlin et al. 2019).
 
 Instances are built as google-research/bert's create_instances_from_document does,
 once per epoch (documents in an order permuted by default_rng([seed, epoch]), all
@@ -18,7 +18,7 @@ Deliberate differences from the reference, all distribution-preserving or fixes:
   scalar draws: the same distributions, vectorised over a batch.
 As in the reference: the 10% random replacements are uniform over [0, vocab_size),
 special ids included (`vocab_words[randint(0, len(vocab_words) - 1)]`), and the
-short-sequence target length is drawn once per document (SPECS leaves this open).
+short-sequence target length is drawn once per document (as create_instances_from_document does).
 
 Without NSP (nsp=False, RoBERTa's DOC-SENTENCES), an instance is the longest run of
 whole consecutive sentences of one document within the target length
@@ -35,7 +35,8 @@ from typing import Optional
 
 import numpy as np
 
-from t5x_like.data.objective import Example, Objective, example_rng
+from t5x_like.data.objective import (Example, Objective, ObjectiveSpec, example_rng,
+                                     require_special_ids)
 from t5x_like.data.store import TokenStore
 
 
@@ -206,9 +207,6 @@ class BertPretraining(Objective):
   def num_examples(self, epoch: int) -> int:
     return len(self.plan(epoch))
 
-  def example(self, index: int, epoch: int) -> Example:
-    return {k: v[0] for k, v in self.examples(np.array([index]), epoch).items()}
-
   def examples(self, indices: np.ndarray, epoch: int) -> Example:
     indices = np.asarray(indices, np.int64)
     plan = self.plan(epoch)
@@ -308,3 +306,18 @@ class BertPretraining(Objective):
       pointer[f] = nxt[f] + 1
     picked = candidate[rows, order] & taken[rows, np.maximum(word, 0)]
     return np.sort(np.where(picked, order, L), axis=1)[:, :self.max_predictions]
+
+
+def _build(store, vocab, *, seed, length, targets_length=None, **options) -> BertPretraining:
+  del targets_length  # pairs fill max_seq_length
+  require_special_ids(vocab, SPEC, "cls_id", "sep_id", "mask_id")
+  word_start = vocab.word_start_mask() if options.get("whole_word_masking") else None
+  return BertPretraining(store, seed, max_seq_length=length, cls_id=vocab.cls_id,
+                         sep_id=vocab.sep_id, mask_id=vocab.mask_id, pad_id=vocab.pad_id,
+                         vocab_size=vocab.vocab_size, word_start=word_start, **options)
+
+
+SPEC = ObjectiveSpec("bert_mlm", BertPretraining, vocab_family="bert", model_family="encoder",
+                     default_length=128, build=_build,
+                     filled=frozenset({"max_seq_length", "cls_id", "sep_id", "mask_id",
+                                       "pad_id", "vocab_size", "word_start"}))

@@ -34,7 +34,8 @@ from typing import Optional
 
 import numpy as np
 
-from t5x_like.data.objective import Example, Objective, example_rng
+from t5x_like.data.objective import (Example, Objective, ObjectiveSpec, example_rng,
+                                     require_special_ids)
 from t5x_like.data.streams import StreamCache
 from t5x_like.data.store import TokenStore
 
@@ -71,9 +72,6 @@ class CausalLM(Objective):
   def num_examples(self, epoch: int) -> int:
     return self._streams(epoch).length // self.length
 
-  def example(self, index: int, epoch: int) -> Example:
-    return {k: v[0] for k, v in self.examples(np.array([index]), epoch).items()}
-
   def examples(self, indices: np.ndarray, epoch: int) -> Example:
     indices = np.asarray(indices, np.int64)
     tokens, doc_start = self._streams(epoch).window(indices * self.length, self.length)
@@ -104,9 +102,6 @@ class PrefixLM(Objective):
 
   def num_examples(self, epoch: int) -> int:
     return self._streams(epoch).length // self.window
-
-  def example(self, index: int, epoch: int) -> Example:
-    return {k: v[0] for k, v in self.examples(np.array([index]), epoch).items()}
 
   def split_points(self, indices: np.ndarray, epoch: int) -> np.ndarray:
     """[B] prefix lengths, uniform in [1, window - 1] from each example's rng."""
@@ -155,3 +150,35 @@ class PrefixLM(Objective):
         "decoder_segment_ids": dec_real.astype(np.int32),
         "decoder_positions": np.where(dec_real, dec_pos, 0).astype(np.int32),
     }
+
+
+def _causal_lm(store, vocab, *, seed, length, targets_length=None, **options) -> CausalLM:
+  del targets_length
+  require_special_ids(vocab, CAUSAL_LM, "eos_id")
+  return CausalLM(store, seed, length=length, eos_id=vocab.eos_id, **options)
+
+
+def _prefix_lm(store, vocab, *, seed, length, targets_length=None, **options) -> PrefixLM:
+  del targets_length
+  require_special_ids(vocab, PREFIX_LM, "eos_id")
+  return PrefixLM(store, seed, eos_id=vocab.eos_id, length=length, **options)
+
+
+def _prefix_lm_encdec(store, vocab, *, seed, length, targets_length=None,
+                      **options) -> PrefixLM:
+  require_special_ids(vocab, PREFIX_LM_ENCDEC, "eos_id")
+  if not targets_length:
+    raise ValueError("objective 'prefix_lm_encdec' needs targets_length")
+  return PrefixLM(store, seed, eos_id=vocab.eos_id, inputs_length=length,
+                  targets_length=targets_length, **options)
+
+
+_LM_FILLED = frozenset({"length", "inputs_length", "targets_length", "eos_id"})
+CAUSAL_LM = ObjectiveSpec("causal_lm", CausalLM, vocab_family="gpt", model_family="decoder",
+                          default_length=1024, build=_causal_lm, filled=_LM_FILLED)
+PREFIX_LM = ObjectiveSpec("prefix_lm", PrefixLM, vocab_family="gpt", model_family="decoder",
+                          default_length=1024, build=_prefix_lm, filled=_LM_FILLED)
+PREFIX_LM_ENCDEC = ObjectiveSpec("prefix_lm_encdec", PrefixLM, vocab_family="t5",
+                                 model_family="encoder_decoder", default_length=512,
+                                 build=_prefix_lm_encdec, filled=_LM_FILLED,
+                                 needs_targets_length=True)

@@ -1,13 +1,19 @@
-"""The interface between objectives and the loader.
+"""The interface between objectives and the loader, and how an objective registers.
 
 An objective turns a TokenStore into fixed-shape examples, each a pure function of
 (seed, epoch, example index): the loader may ask for any example in any order, on
 any host, after any restart, and gets the same arrays.
+
+Each objective module describes itself with an ObjectiveSpec; data/pipeline.py's
+OBJECTIVES lists them, and validation, training, plan and bench read only that list.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
+import inspect
+from typing import Callable
 
 import numpy as np
 
@@ -20,23 +26,70 @@ def example_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
 
 
 class Objective(abc.ABC):
-  """Fixed-shape examples from a TokenStore, deterministic in (seed, epoch, index)."""
+  """Fixed-shape examples from a TokenStore, deterministic in (seed, epoch, index).
+
+  A subclass implements num_examples and one of `examples` (vectorised, preferred) or
+  `example`; the other is derived from it.
+  """
 
   seed: int
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    if cls.example is Objective.example and cls.examples is Objective.examples:
+      raise TypeError(f"{cls.__name__} must implement `examples` or `example`")
 
   @abc.abstractmethod
   def num_examples(self, epoch: int) -> int:
     """How many examples epoch `epoch` has (may differ between epochs)."""
 
-  @abc.abstractmethod
   def example(self, index: int, epoch: int) -> Example:
     """Example `index` of `epoch`: {feature name: array} with shapes fixed by the config."""
+    return {k: v[0] for k, v in self.examples(np.asarray([index], np.int64), epoch).items()}
 
   def examples(self, indices: np.ndarray, epoch: int) -> Example:
-    """Examples stacked along a new leading batch axis (override to vectorise)."""
+    """Examples [len(indices), ...] stacked along a new leading batch axis."""
     rows = [self.example(int(i), epoch) for i in indices]
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
   def feature_shapes(self) -> dict[str, tuple[int, ...]]:
     """Per-example shapes, read off example 0 of epoch 0."""
     return {k: v.shape for k, v in self.example(0, 0).items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveSpec:
+  """An objective as configs name it (one entry of data/pipeline.py's OBJECTIVES).
+
+  name: config.data.objective. cls: its Objective class; the constructor's keyword
+  parameters that `build` does not fill are the options config.data.options may set.
+  vocab_family: the vocabulary family whose special ids it needs (bert, t5, gpt).
+  model_family: the model family it trains (encoder, decoder, encoder_decoder).
+  default_length: its usual input length (`bench data`'s default).
+  build: (store, vocab, seed=, length=, targets_length=, **options) -> Objective.
+  filled: constructor parameters `build` sets from the store, vocabulary and lengths.
+  needs_targets_length: config.data.targets_length must be set (> 0).
+  """
+
+  name: str
+  cls: type
+  vocab_family: str
+  model_family: str
+  default_length: int
+  build: Callable[..., Objective]
+  filled: frozenset = frozenset()
+  needs_targets_length: bool = False
+
+  def options(self) -> set[str]:
+    """Constructor options a config may set in data.options."""
+    params = inspect.signature(self.cls.__init__).parameters
+    return {name for name in params if name not in self.filled | {"self", "store", "seed"}}
+
+
+def require_special_ids(vocab, spec: ObjectiveSpec, *names: str) -> None:
+  """ValueError unless `vocab` has every special id in `names` (e.g. "eos_id")."""
+  missing = [n for n in names if getattr(vocab, n, None) is None]
+  if missing:
+    raise ValueError(f"objective {spec.name!r} needs a vocabulary with {', '.join(missing)};"
+                     f" {vocab!r} (family {vocab.family!r}) has none. Use a"
+                     f" {spec.vocab_family!r} vocabulary.")

@@ -1,4 +1,5 @@
-"""T5 span corruption (SPECS.md section 1) and the C4-style pipeline around it.
+"""T5 span corruption (Raffel et al. 2020, section 3.1.4; seqio's span_corruption) and
+the C4-style pipeline around it.
 
 One piece of `n` raw tokens becomes
   inputs  = nonnoise_0, <V-1>, nonnoise_1, <V-2>, ..., nonnoise_{s-1}, <V-s>, EOS
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from t5x_like.data.objective import Example, Objective, example_rng
+from t5x_like.data.objective import (Example, Objective, ObjectiveSpec, example_rng,
+                                     require_special_ids)
 from t5x_like.data.streams import StreamCache
 from t5x_like.data.store import TokenStore
 
@@ -140,7 +142,7 @@ def _pad(rows: np.ndarray, length: int) -> np.ndarray:
 
 
 class SpanCorruption(Objective):
-  """T5 span-corruption pretraining examples (SPECS.md section 1).
+  """T5 span-corruption pretraining examples (t5.data.preprocessors.span_corruption).
 
   Features (int32): encoder_input_tokens / encoder_segment_ids / encoder_positions
   [inputs_length]; decoder_target_tokens / decoder_input_tokens (targets shifted right,
@@ -169,9 +171,6 @@ class SpanCorruption(Objective):
   def num_examples(self, epoch: int) -> int:
     return self._streams(epoch).length // self.raw_length
 
-  def example(self, index: int, epoch: int) -> Example:
-    return {k: v[0] for k, v in self.examples(np.array([index]), epoch).items()}
-
   def examples(self, indices: np.ndarray, epoch: int) -> Example:
     indices = np.asarray(indices, np.int64)
     n = self.raw_length
@@ -198,3 +197,15 @@ class SpanCorruption(Objective):
         "decoder_segment_ids": dec_seg.copy(),
         "decoder_positions": (np.arange(self.targets_length, dtype=np.int32) * dec_seg),
     }
+
+
+def _build(store, vocab, *, seed, length, targets_length=None, **options) -> SpanCorruption:
+  del targets_length  # the targets' length follows from length and the noise
+  require_special_ids(vocab, SPEC, "eos_id")
+  return SpanCorruption(store, seed, inputs_length=length, vocab_size=vocab.vocab_size,
+                        eos_id=vocab.eos_id, **options)
+
+
+SPEC = ObjectiveSpec("span_corruption", SpanCorruption, vocab_family="t5",
+                     model_family="encoder_decoder", default_length=512, build=_build,
+                     filled=frozenset({"inputs_length", "vocab_size", "eos_id"}))

@@ -71,7 +71,7 @@ def load_backbone(config) -> Backbone:
     return Backbone(model.config, _hf_tokenizer(config, init.hf, model.config.family),
                     params, f"Hugging Face checkpoint {init.hf}")
   from t5x_like.train.defaults import load_config_file
-  from t5x_like.train.loop import build_model_from_config, config_vocab
+  from t5x_like.experiment import build_model_from_config, config_vocab
   try:
     pretrain = load_config_file(init.config)
   except FileNotFoundError as e:

@@ -1,4 +1,4 @@
-"""Examples -> fixed-length int32 features (the batch names of DESIGN.md), per task.
+"""Examples -> fixed-length int32 features (the batch names of models/model.py), per task.
 
   classification, encoder (BERT):  [CLS] a [SEP] (b [SEP]), encoder_type_ids 0 / 1,
       the longer side truncated first (BERT's run_classifier); labels [B]

@@ -18,7 +18,7 @@ import ml_collections
 import numpy as np
 
 from t5x_like import fs, parallel
-from t5x_like.errors import UserError
+from t5x_like.errors import NonFiniteLossError, UserError
 from t5x_like.finetune.backbone import load_backbone
 from t5x_like.finetune.data import DataConfig, read_examples
 from t5x_like.finetune.encoding import encode_examples, label_targets
@@ -26,7 +26,6 @@ from t5x_like.finetune.evaluate import Predictor, prediction_rows, task_metrics
 from t5x_like.finetune.model import FinetuneModel
 from t5x_like.fs import resolve_path
 from t5x_like.train.checkpoints import Checkpointer
-from t5x_like.train.loop import NonFiniteLossError
 from t5x_like.train.metrics import MetricWriter
 from t5x_like.train.optimizers import make_optimizer
 from t5x_like.train.setup_guard import undo_on_user_error

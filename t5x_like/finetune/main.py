@@ -28,7 +28,7 @@ def _flags(argv: list[str]) -> flags.FlagValues:
 def main(argv: list[str]) -> int:
   fv = parse_flags("finetune", argv, _flags, required=("config", "workdir"), doc=__doc__)
   from t5x_like.finetune.loop import finetune
-  from t5x_like.train.loop import NonFiniteLossError
+  from t5x_like.errors import NonFiniteLossError
   try:  # a UserError (config, rows, backbone, checkpoint) is reported by t5x_like.cli
     final = finetune(fv.config, fv.workdir)
   except NonFiniteLossError as e:

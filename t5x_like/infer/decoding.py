@@ -2,7 +2,7 @@
 
   generate(model, params, batch, max_new_tokens=..., ...) -> Decoded(tokens [B, N], scores [B])
 
-batch (DESIGN.md feature names):
+batch (models/model.py feature names):
   decoder-only:     decoder_input_tokens [B, P], prompts padded on the RIGHT; their
                     lengths from decoder_segment_ids [B, P] (> 0 on real tokens) when
                     given, else every row is P long (GPT-2's id 0 is a real token).
@@ -13,7 +13,7 @@ tokens holds the N = max_new_tokens generated tokens only (not the prompt), pad_
 after a row's eos.
 
 With a mesh, the step runs under it and the logical-axis rules (as the train step):
-params may come sharded (parallel.shard_params) and activations and the cache are
+params may come sharded (as load_pretrained places them) and activations and the cache are
 sharded by the models' logical constraints.
 """
 
@@ -136,3 +136,9 @@ def generate(model, params: Any, batch: Mapping[str, Array], *, max_new_tokens: 
   return _generate(model, params, features, rng, scalars, cfg=static, mesh=mesh,
                    rules=hashable_rules(rules))
 
+
+def predict(model, params: Any, batch: Mapping[str, Array], **decode_kwargs) -> Array:
+  """Generated tokens [B, max_new_tokens], pad after eos: `generate` with eos_id
+  defaulting to the model's (T5's </s>; None for decoders: every row runs to the end)."""
+  decode_kwargs.setdefault("eos_id", getattr(model, "default_eos_id", None))
+  return generate(model, params, batch, **decode_kwargs).tokens

@@ -132,7 +132,8 @@ class ModelConfig:
 
 
 def bert(layers: int, d_model: int, *, vocab_size: int = 30522, **kw) -> ModelConfig:
-  """BERT: post-LayerNorm encoder, exact gelu, MLM + NSP heads (SPECS.md 2)."""
+  """BERT: post-LayerNorm encoder, exact gelu, MLM + NSP heads (Devlin et al. 2019;
+  google-research/bert modeling.py)."""
   base = dict(
       family="encoder", vocab_size=vocab_size, d_model=d_model, num_heads=d_model // 64,
       d_ff=4 * d_model, num_layers=layers, mlp_activation="gelu", norm="layernorm",
@@ -143,7 +144,8 @@ def bert(layers: int, d_model: int, *, vocab_size: int = 30522, **kw) -> ModelCo
 
 
 def gpt2(layers: int, d_model: int, **kw) -> ModelConfig:
-  """GPT-2: pre-LayerNorm decoder, tanh gelu, tied logits (SPECS.md 5)."""
+  """GPT-2: pre-LayerNorm decoder, tanh gelu, tied logits (Radford et al. 2019;
+  openai/gpt-2 model.py)."""
   base = dict(
       family="decoder", vocab_size=50257, d_model=d_model, num_heads=d_model // 64,
       d_ff=4 * d_model, num_layers=layers, mlp_activation="gelu_tanh", norm="layernorm",

@@ -1,6 +1,6 @@
 """The three Flax modules: encoder (BERT), decoder (GPT-2) and encoder-decoder (T5).
 
-Each takes a batch dict with the feature names of DESIGN.md and returns logits.
+Each takes a batch dict with the feature names of models/model.py and returns logits.
 """
 
 from __future__ import annotations

@@ -1,10 +1,14 @@
-"""The model contract of DESIGN.md: pure functions around a Flax module.
+"""The model contract: pure functions around a Flax module.
 
   init(rng, batch_shapes) -> params
   loss_fn(params, batch, dropout_rng) -> (loss, metrics)
   logits(params, batch) -> logits
-  predict(params, batch, **decode_kwargs) -> tokens, score(params, batch) -> log-likelihoods
-      (the generating families; both delegate to t5x_like.infer)
+
+Batches are dicts of int arrays named as in T5X/seqio (encoder_input_tokens,
+decoder_input_tokens, decoder_target_tokens, decoder_loss_weights, *_segment_ids,
+*_positions) plus BERT's encoder_type_ids, mlm_positions, mlm_targets, mlm_weights and
+nsp_labels. Generation and scoring of the decoder and encoder-decoder families are
+t5x_like.infer.predict / score (infer builds on the models, not the other way).
 
 The trainer never touches the module; `param_axes` gives the logical axis names of
 every parameter for sharding.
@@ -96,7 +100,8 @@ class EncoderModel(Model):
     return {k: v for k, v in out.items() if k != "hidden"}
 
   def loss_normalizers(self, batch) -> dict[str, Array]:
-    """Denominators of the loss terms over `batch` (SPECS.md 2): MLM sum(w) + 1e-5, NSP B."""
+    """Denominators of the loss terms over `batch` (BERT's run_pretraining.py): MLM
+    sum(w) + 1e-5, NSP B."""
     out = {}
     if "mlm_targets" in batch:
       weights = batch.get("mlm_weights")
@@ -108,7 +113,7 @@ class EncoderModel(Model):
     return out
 
   def loss_fn(self, params, batch, dropout_rng, normalizers=None):
-    """MLM loss at mlm_positions (SPECS.md 2: sum(w nll) / (sum(w) + 1e-5)) + NSP mean CE.
+    """MLM loss at mlm_positions (run_pretraining.py: sum(w nll) / (sum(w) + 1e-5)) + NSP mean CE.
 
     normalizers: the denominators of a larger batch this one is a microbatch of
     (`loss_normalizers`), so that microbatch losses and gradients add up exactly.
@@ -164,29 +169,13 @@ class _SequenceModel(Model):
     return metrics["loss"], metrics
 
   # ------------------------------------------------------------- inference
-  default_eos_id: Optional[int] = None  # eos of predict() unless given
-
-  def predict(self, params, batch, **decode_kwargs) -> Array:
-    """Generated tokens [B, max_new_tokens], pad after eos (t5x_like.infer.generate).
-
-    decode_kwargs: max_new_tokens (required), num_beams, rng (sampling), temperature,
-    top_k, top_p, length_penalty, early_stopping, eos_id, pad_id, mesh, rules.
-    """
-    from t5x_like import infer  # infer builds on the models: import at use
-    decode_kwargs.setdefault("eos_id", self.default_eos_id)
-    return infer.generate(self, params, batch, **decode_kwargs).tokens
-
-  def score(self, params, batch, **kwargs) -> dict[str, Array]:
-    """{'token_log_likelihood': [B, T], 'log_likelihood': [B]} of decoder_target_tokens
-    (t5x_like.infer.score; kwargs: mesh, rules)."""
-    from t5x_like import infer
-    return infer.score(self, params, batch, **kwargs)
+  default_eos_id: Optional[int] = None  # eos of infer.predict() unless given
 
 
 class DecoderModel(_SequenceModel):
   """GPT-2. logits() -> [B, T, V] next-token logits of decoder_input_tokens.
 
-  predict() continues right-padded prompts (decoder_input_tokens, with
+  infer.predict() continues right-padded prompts (decoder_input_tokens, with
   decoder_segment_ids marking the real tokens); eos_id defaults to None (no stop).
   """
 

@@ -83,6 +83,30 @@ def traced_rules(mesh: Optional[Mesh], rules=DEFAULT_RULES) -> Iterator[None]:
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
+def config_axis_sizes(mesh_cfg, num_devices: int) -> tuple[dict[str, int], dict[str, int]]:
+  """(within-slice sizes, slice counts) of the ('data', 'fsdp', 'tensor') axes of a
+  config's `mesh` section over `num_devices`, without devices (a pod's mesh can be
+  checked on a laptop). ValueError naming the mesh keys when they cannot fill them."""
+  dcn = {a: int(mesh_cfg.get(f"dcn_{a}", 1)) for a in MESH_AXES}
+  bad = {a: n for a, n in dcn.items() if n < 1}
+  if bad:
+    raise ValueError(f"mesh.dcn_{next(iter(bad))}={next(iter(bad.values()))}: must be >= 1")
+  num_slices = math.prod(dcn.values())
+  if num_devices % num_slices:
+    raise ValueError(f"mesh.dcn_*={dcn} multiply to {num_slices} slices, which does not"
+                     f" divide the {num_devices} devices")
+  ici = {a: int(mesh_cfg.get(a, 1)) for a in MESH_AXES}
+  fixed = math.prod(s for s in ici.values() if s != -1)
+  if -1 not in ici.values() and fixed * num_slices > num_devices:
+    raise ValueError(f"mesh.data x mesh.fsdp x mesh.tensor = {fixed * num_slices} devices"
+                     f" ({ici}, {num_slices} slice(s)) but only {num_devices} are present;"
+                     " set one axis to -1 to fill the devices")
+  try:
+    return resolve_axis_sizes(ici, num_devices // num_slices), dcn
+  except ValueError as e:
+    raise ValueError(f"mesh.data / mesh.fsdp / mesh.tensor: {e}") from None
+
+
 def mesh_from_config(mesh_cfg, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
   """The ('data', 'fsdp', 'tensor') mesh of a config's `mesh` section.
 
@@ -91,14 +115,8 @@ def mesh_from_config(mesh_cfg, devices: Optional[Sequence[jax.Device]] = None) -
   only those axes). Each mesh axis has size <axis> * dcn_<axis>.
   """
   devices = list(jax.devices() if devices is None else devices)
-  dcn = {a: int(mesh_cfg.get(f"dcn_{a}", 1)) for a in MESH_AXES}
-  num_slices = math.prod(dcn.values())
-  if len(devices) % num_slices:
-    raise ValueError(f"mesh.dcn_*: {dcn} multiply to {num_slices} slices, which does not"
-                     f" divide the {len(devices)} devices")
-  ici = resolve_axis_sizes({a: int(mesh_cfg.get(a, 1)) for a in MESH_AXES},
-                           len(devices) // num_slices)
-  if num_slices == 1:
+  ici, dcn = config_axis_sizes(mesh_cfg, len(devices))
+  if math.prod(dcn.values()) == 1:
     return make_mesh(ici, devices)
   from jax.experimental import mesh_utils
   array = mesh_utils.create_hybrid_device_mesh(tuple(ici.values()), tuple(dcn.values()),

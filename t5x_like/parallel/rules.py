@@ -1,7 +1,7 @@
 """Logical axis rules: which mesh axes each logical axis name is sharded over.
 
 Every parameter and large activation of the models names its dims with logical
-axes (DESIGN.md); a rule list maps them to mesh axes. Flax reads the rules in
+axes (models/layers.py); a rule list maps them to mesh axes. Flax reads the rules in
 order of priority: for each dim the first rule whose mesh axes exist and are not
 yet used by another dim of the same array wins; a dim without a rule is
 replicated. So the activation [batch, length, embed] keeps embed unsharded when

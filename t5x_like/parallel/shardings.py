@@ -33,20 +33,6 @@ def param_shardings(model, mesh: Mesh, rules=DEFAULT_RULES,
   return logical_to_shardings(model.param_axes(batch_shapes), mesh, rules)
 
 
-def shard_params(model, mesh: Mesh, rules=DEFAULT_RULES, rng: Optional[jax.Array] = None,
-                 batch_shapes: Optional[Mapping[str, Any]] = None) -> Any:
-  """Params created already sharded: `jax.jit(model.init, out_shardings=...)`.
-
-  No host ever holds the full parameters; each device computes only its shards.
-  The forward pass that init traces is dead code (only params are returned), so no
-  activation constraints are needed here; leaving them out halves the compile time.
-  """
-  rng = jax.random.key(0) if rng is None else rng
-  shapes = batch_shapes or model.example_batch_shapes()
-  shardings = param_shardings(model, mesh, rules, shapes)
-  return jax.jit(lambda r: model.init(r, shapes), out_shardings=shardings)(rng)
-
-
 def batch_spec(ndim: int, mesh_axis_names, rules=DEFAULT_RULES) -> PartitionSpec:
   """PartitionSpec of a [B, ...] feature: dim 0 over the 'batch' rule, the rest replicated."""
   restricted = rules_for_mesh(rules, mesh_axis_names)

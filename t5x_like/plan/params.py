@@ -46,13 +46,6 @@ def param_group(path: tuple[str, ...]) -> str:
   raise ValueError(f"param {'/'.join(path)} belongs to no group of {GROUPS}")
 
 
-def _key_name(key) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
 def shard_counts(shape: tuple[int, ...], spec: PartitionSpec,
                  mesh_shape: Mapping[str, int]) -> tuple[int, ...]:
   """How many ways each dim of an array `shape` is split by `spec` on a mesh of
@@ -157,8 +150,8 @@ def param_table(model, mesh, rules, batch_shapes: Mapping[str, tuple]) -> ParamT
   for (path, leaf), axes, sharding in zip(jax.tree_util.tree_leaves_with_path(abstract),
                                           jax.tree.leaves(logical, is_leaf=is_spec),
                                           jax.tree.leaves(shardings)):
-    names = tuple(_key_name(k) for k in path)
-    name = re.sub(r"layers_\d+", "layers_*", "/".join(names))
+    path_name = jax.tree_util.keystr(path, simple=True, separator="/")
+    name = re.sub(r"layers_\d+", "layers_*", path_name)
     shape = tuple(int(d) for d in leaf.shape)
     axes = tuple(axes) + (None,) * (len(shape) - len(axes))
     key = (name, shape, axes, sharding.spec)
@@ -166,7 +159,7 @@ def param_table(model, mesh, rules, batch_shapes: Mapping[str, tuple]) -> ParamT
     if row is None:
       row = rows[key] = ParamRow(name, shape, axes, sharding.spec, 0,
                                  shard_counts(shape, sharding.spec, mesh_shape))
-      groups[param_group(names)].rows.append(row)
+      groups[param_group(tuple(path_name.split("/")))].rows.append(row)
     row.count += 1
   return ParamTable(groups, abstract, shardings)
 

@@ -21,11 +21,11 @@ from t5x_like import parallel
 from t5x_like.plan import compiled as compiled_lib
 from t5x_like.plan.memory import estimate_memory, per_device_batch_shapes
 from t5x_like.plan.params import param_table, spec_str
-from t5x_like.plan.shapes import Phase, config_vocab, model_vocab_size, plan_phases
+from t5x_like.plan.shapes import Phase, model_vocab_size, plan_phases
 from t5x_like.plan.topology import Topology, planned_mesh
 from t5x_like.train import flops as flops_lib
 from t5x_like.train.config_check import validate
-from t5x_like.train.loop import build_model_from_config
+from t5x_like.experiment import build_model_from_config, config_vocab
 from t5x_like.train.optimizers import make_optimizer
 
 COMPILE_CHOICES = ("auto", "yes", "no")
@@ -142,7 +142,7 @@ def make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: flo
   except ValueError as e:
     raise ValueError(f"topology {topology.name}: {e}") from None
   rules = tuple(config.mesh.rules) or parallel.DEFAULT_RULES
-  vocab = config_vocab(config)
+  vocab = config_vocab(config, shapes_only=True)
   validate(config, topology.num_devices, vocab_size=model_vocab_size(config, vocab))
   model = build_model_from_config(config, model_vocab_size(config, vocab))
   optimizer, schedule = make_optimizer(config.optimizer, config.train.num_steps)

@@ -16,10 +16,9 @@ import math
 import ml_collections
 import numpy as np
 
-from t5x_like.data.pipeline import OBJECTIVE_FAMILIES, make_objective
 from t5x_like.data.store import TokenStore
-from t5x_like.data.vocab import Vocabulary, default_vocab, load_vocab
-from t5x_like.train.loop import phase_configs
+from t5x_like.data.vocab import Vocabulary
+from t5x_like.experiment import build_objective, global_batch_shapes, phase_configs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,27 +40,6 @@ class Phase:
     return self.until_step - self.first_step
 
 
-def config_vocab(config) -> Vocabulary:
-  """The vocabulary training would load (data.vocab, else the objective family's).
-
-  A data.vocab that is not here (a bucket path, another machine's file) falls back to
-  the family's shipped one when model.overrides.vocab_size fixes the model's size:
-  shapes only need its special ids.
-  """
-  family = OBJECTIVE_FAMILIES.get(config.data.objective)
-  if family is None:
-    raise ValueError(f"config.data.objective={config.data.objective!r}: expected one of"
-                     f" {sorted(OBJECTIVE_FAMILIES)}")
-  if not config.data.vocab:
-    return default_vocab(family)
-  try:
-    return load_vocab(config.data.vocab)
-  except (FileNotFoundError, OSError):
-    if "vocab_size" in config.model.overrides:
-      return default_vocab(family)
-    raise
-
-
 def model_vocab_size(config, vocab: Vocabulary) -> int:
   """config.model.overrides.vocab_size when set, else the vocabulary's size."""
   return int(config.model.overrides.get("vocab_size", vocab.vocab_size))
@@ -80,14 +58,9 @@ def synthetic_store(length: int, vocab: Vocabulary, seed: int = 0) -> TokenStore
 
 def batch_shapes_for(config, vocab: Vocabulary) -> dict[str, tuple]:
   """{feature: (config.train.batch_size, *per-example shape)} of config's objective."""
-  data = config.data
-  options = dict(data.options)
-  if data.targets_length:
-    options["targets_length"] = data.targets_length
-  objective = make_objective(data.objective, synthetic_store(data.length, vocab), vocab,
-                             seed=config.seed, length=data.length, **options)
-  batch = int(config.train.batch_size)
-  return {k: (batch, *shape) for k, shape in sorted(objective.feature_shapes().items())}
+  objective = build_objective(config, synthetic_store(config.data.length, vocab), vocab,
+                              seed=config.seed)
+  return global_batch_shapes(objective, int(config.train.batch_size))
 
 
 def plan_phases(config, vocab: Vocabulary) -> list[Phase]:

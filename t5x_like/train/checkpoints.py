@@ -54,7 +54,7 @@ _DROP_DISK_FULL = space.DropDiskFull()
 
 __all__ = ["Checkpointer", "Restored", "CorruptCheckpointError", "PartialCheckpointError",
            "IncompatibleCheckpointError", "CheckpointNotFoundError", "CheckpointSpaceError",
-           "CheckpointDirectoryError", "find_checkpoint", "restore_params"]
+           "CheckpointDirectoryError", "saved_shapes", "wanted_shapes"]
 
 
 class Restored(NamedTuple):
@@ -311,12 +311,10 @@ class Checkpointer:
   def _mismatch(self, path: epath.Path, abstract_state: Any) -> Optional[str]:
     """How the saved array names/shapes differ from `abstract_state`; None if not known."""
     try:
-      meta = self._state_handler.metadata(path / STATE)
-      saved = {leaf.name: tuple(leaf.shape) for leaf in jax.tree.leaves(meta.tree)}
+      saved = saved_shapes(path)
     except Exception:  # noqa: BLE001  (unreadable metadata: corrupt, not a mismatch)
       return None
-    wanted = {_dotted(p): tuple(x.shape)
-              for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+    wanted = wanted_shapes(abstract_state)
     parts = [f"{what} {names[:5]}" for what, names in (
         ("missing", sorted(wanted.keys() - saved.keys())),
         ("unexpected", sorted(saved.keys() - wanted.keys())),
@@ -385,10 +383,16 @@ def _max_over_hosts(code: int) -> int:
   return int(integrity.gather_over_hosts([code])[:, 0].max())
 
 
-def _dotted(path) -> str:
-  """A jax key path as orbax names a saved array: 'opt_state.1.0.mu.w'."""
-  return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-                  for k in path)
+def saved_shapes(step_dir: epath.Path) -> dict[str, tuple]:
+  """{orbax array name ('opt_state.1.0.mu.w'): shape} of a step's saved state."""
+  meta = ocp.StandardCheckpointHandler().metadata(step_dir / STATE)
+  return {leaf.name: tuple(leaf.shape) for leaf in jax.tree.leaves(meta.tree)}
+
+
+def wanted_shapes(abstract: Any) -> dict[str, tuple]:
+  """{orbax array name: shape} of a pytree, named as saved_shapes names them."""
+  return {jax.tree_util.keystr(p, simple=True, separator="."): tuple(x.shape)
+          for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
 
 
 def _jsonable(extra: dict) -> dict:
@@ -398,65 +402,3 @@ def _jsonable(extra: dict) -> dict:
       return x.tolist()
     raise TypeError(f"Checkpointer: extra holds {type(x).__name__}, not JSON")
   return json.loads(json.dumps(dict(extra), default=default))
-
-
-# ------------------------------------------------------------------ params only
-def find_checkpoint(path, step: Optional[int] = None) -> epath.Path:
-  """The `<step>/` directory that `path` names: a train workdir (its checkpoints/),
-  a checkpoints directory (its newest finished step, or `step`), or a step directory;
-  local (relative or absolute) or a URL. CheckpointNotFoundError saying what was looked
-  for otherwise."""
-  path = fs.resolve_path(path, "checkpoint")
-  if (path / STATE).is_dir():
-    if step is not None and path.name != str(step):
-      raise CheckpointNotFoundError(f"{path} is the checkpoint of step {path.name}, not step {step}")
-    return path
-  if (path / "checkpoints").is_dir():
-    path = path / "checkpoints"
-  if not path.is_dir():
-    raise CheckpointNotFoundError(f"no checkpoint at {path}: expected a train workdir, its"
-                                  " checkpoints/ directory, or one step directory")
-  steps = sorted(int(p.name) for p in path.iterdir()
-                 if integrity.STEP_NAME.match(p.name) and integrity.is_finished(p))
-  if not steps:
-    raise CheckpointNotFoundError(f"no committed checkpoint step in {path}")
-  if step is None:
-    return path / str(steps[-1])
-  if step not in steps:
-    raise CheckpointNotFoundError(
-        f"no committed checkpoint step {step} in {path}; have {steps}")
-  return path / str(step)
-
-
-def restore_params(path, abstract_params: Any, step: Optional[int] = None
-                   ) -> tuple[int, Any]:
-  """(step, params) of a train checkpoint, without its optimizer state.
-
-  path: as find_checkpoint. abstract_params: pytree of jax.ShapeDtypeStruct with
-  .sharding (the params are placed so, any mesh). Every file is checked against its
-  checksum first (CorruptCheckpointError names the first that differs);
-  IncompatibleCheckpointError names the params whose names or shapes differ.
-  """
-  directory = find_checkpoint(path, step)
-  integrity.verify(directory)
-  target = {"params": abstract_params}
-  handler = ocp.PyTreeCheckpointHandler()
-  try:
-    saved = {leaf.name: tuple(leaf.shape) for leaf in jax.tree.leaves(
-        ocp.StandardCheckpointHandler().metadata(directory / STATE).tree)}
-    wanted = {_dotted(p): tuple(x.shape)
-              for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
-    missing = sorted(wanted.keys() - saved.keys())
-    changed = sorted(k for k in wanted.keys() & saved.keys() if wanted[k] != saved[k])
-    if missing or changed:
-      shown = [f"{k} missing" for k in missing[:5]] + [
-          f"{k} saved {saved[k]} wanted {wanted[k]}" for k in changed[:5]]
-      raise IncompatibleCheckpointError(
-          f"checkpoint {directory} does not hold the params of this model: "
-          + "; ".join(shown) + " (another preset, overrides or vocabulary?)")
-    restored = handler.restore(directory / STATE, args=ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-        partial_restore=True))
-  finally:
-    handler.close()
-  return int(directory.name), restored["params"]

@@ -14,7 +14,6 @@ shards; and every parameter dimension against the mesh axes its logical axis map
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import os
 from typing import Any, Optional
@@ -24,28 +23,15 @@ import ml_collections
 from jax.sharding import PartitionSpec
 
 from t5x_like import parallel
-from t5x_like.data.bert_pretraining import BertPretraining
-from t5x_like.data.lm import CausalLM, PrefixLM
-from t5x_like.data.span_corruption import SpanCorruption
+from t5x_like.data.pipeline import OBJECTIVES
 from t5x_like.errors import UserError
+from t5x_like.experiment import phase_configs
 from t5x_like.models import build_model
 from t5x_like.models.config import DTYPES, PRESETS, REMAT_POLICIES, ModelConfig, preset
-from t5x_like.parallel.mesh import MESH_AXES, resolve_axis_sizes
+from t5x_like.parallel.mesh import MESH_AXES, config_axis_sizes
 from t5x_like.train.defaults import default_config
+from t5x_like.train.optimizers import OPTIMIZERS, SCHEDULES
 
-OPTIMIZERS = ("adamw", "adafactor")
-SCHEDULES = ("linear", "rsqrt", "cosine", "constant")
-# The model family each objective trains.
-OBJECTIVE_MODEL_FAMILY = {"bert_mlm": "encoder", "causal_lm": "decoder", "prefix_lm": "decoder",
-                          "span_corruption": "encoder_decoder",
-                          "prefix_lm_encdec": "encoder_decoder"}
-_OBJECTIVE_CLASSES = {"bert_mlm": BertPretraining, "causal_lm": CausalLM,
-                      "prefix_lm": PrefixLM, "prefix_lm_encdec": PrefixLM,
-                      "span_corruption": SpanCorruption}
-# Constructor arguments make_objective fills itself (not user options).
-_FILLED = {"self", "store", "seed", "inputs_length", "targets_length", "length",
-           "max_seq_length", "vocab_size", "eos_id", "cls_id", "sep_id", "mask_id", "pad_id",
-           "word_start"}
 # Sections whose contents are free-form (checked separately below).
 _OPEN = {"model.overrides", "data.options", "mesh.rules", "train.phases"}
 
@@ -160,8 +146,9 @@ def _check_model(config, vocab_size: Optional[int]) -> ModelConfig:
 # --------------------------------------------------------------------------- data
 def _check_data(config, model_cfg: ModelConfig) -> None:
   d = config.data
-  _choice("data.objective", d.objective, OBJECTIVE_MODEL_FAMILY)
-  family = OBJECTIVE_MODEL_FAMILY[d.objective]
+  _choice("data.objective", d.objective, OBJECTIVES)
+  spec = OBJECTIVES[d.objective]
+  family = spec.model_family
   if model_cfg.family != family:
     raise ConfigError(f"data.objective={d.objective!r} trains a {family!r} model, but"
                       f" model.preset={config.model.preset!r} is {model_cfg.family!r}")
@@ -177,13 +164,13 @@ def _check_data(config, model_cfg: ModelConfig) -> None:
       raise ConfigError(f"{name}={length} exceeds the model's max_position_embeddings="
                         f"{model_cfg.max_position_embeddings}; raise"
                         " model.overrides.max_position_embeddings or shorten it")
-  if d.objective == "prefix_lm_encdec":
+  if spec.needs_targets_length:
     _positive("data.targets_length", d.targets_length)
   if not d.eval_source and not 0.0 < d.eval_fraction < 1.0:
     raise ConfigError(f"data.eval_fraction={d.eval_fraction}: must be in (0, 1) when"
                       " data.eval_source is empty")
   _positive("data.num_workers", d.num_workers, allow_zero=True)
-  known = objective_options(d.objective)
+  known = spec.options()
   option_sets = [("data.options", dict(d.options))] + [
       (f"train.phases[{i}].options", dict(dict(p).get("options", {})))
       for i, p in enumerate(config.train.phases or ())]
@@ -192,12 +179,6 @@ def _check_data(config, model_cfg: ModelConfig) -> None:
       if key not in known:
         raise ConfigError(f"{name}.{key}: not an option of objective {d.objective!r};"
                           f" known: {sorted(known)}")
-
-
-def objective_options(objective: str) -> set[str]:
-  """Constructor options a config may set in data.options for `objective`."""
-  params = inspect.signature(_OBJECTIVE_CLASSES[objective].__init__).parameters
-  return {name for name in params if name not in _FILLED}
 
 
 # ---------------------------------------------------------------- train, optimizer
@@ -214,7 +195,6 @@ def _check_train(config) -> None:
     raise ConfigError("train.eval_batches=0 with train.eval_every > 0: evaluate on >= 1 batch")
   if t.keep_checkpoints is not None:
     _positive("train.keep_checkpoints", t.keep_checkpoints)
-  from t5x_like.train.loop import phase_configs
   try:
     phase_configs(config)
   except (ValueError, TypeError) as e:
@@ -247,24 +227,11 @@ def mesh_axis_sizes(mesh_cfg, num_devices: int) -> dict[str, int]:
   The arithmetic of parallel.mesh_from_config, without devices (so a pod's mesh can be
   checked on a laptop). Raises ConfigError naming the mesh keys.
   """
-  dcn = {a: int(mesh_cfg.get(f"dcn_{a}", 1)) for a in MESH_AXES}
-  for a, size in dcn.items():
-    _positive(f"mesh.dcn_{a}", size)
-  slices = math.prod(dcn.values())
-  if num_devices % slices:
-    raise ConfigError(f"mesh.dcn_*={dcn} multiply to {slices} slices, which does not divide"
-                      f" the {num_devices} devices")
-  ici = {a: int(mesh_cfg.get(a, 1)) for a in MESH_AXES}
-  fixed = math.prod(s for s in ici.values() if s != -1)
-  if -1 not in ici.values() and fixed * slices > num_devices:
-    raise ConfigError(f"mesh.data x mesh.fsdp x mesh.tensor = {fixed * slices} devices"
-                      f" ({ici}, {slices} slice(s)) but only {num_devices} are present;"
-                      " set one axis to -1 to fill the devices")
   try:
-    sizes = resolve_axis_sizes(ici, num_devices // slices)
+    ici, dcn = config_axis_sizes(mesh_cfg, num_devices)
   except ValueError as e:
-    raise ConfigError(f"mesh.data / mesh.fsdp / mesh.tensor: {e}") from None
-  return {a: sizes[a] * dcn[a] for a in MESH_AXES}
+    raise ConfigError(str(e)) from None
+  return {a: ici[a] * dcn[a] for a in MESH_AXES}
 
 
 def _check_batch(config, mesh: dict[str, int]) -> None:

@@ -29,8 +29,9 @@ import numpy as np
 from t5x_like.models.config import ModelConfig
 
 # Dense bf16 peak FLOP/s of one JAX device, by substring of `device.device_kind`
-# (first match wins, so longer names come first). SPECS.md 6. On TPU v2/v3 a JAX
-# device is one TensorCore (half a chip); from v4 on (megacore) one device is a chip.
+# (first match wins, so longer names come first; Cloud TPU and NVIDIA datasheets). On
+# TPU v2/v3 a JAX device is one TensorCore (half a chip); from v4 on (megacore) one
+# device is a chip.
 _PEAK_BF16 = (
     ("TPU v2", 22.5e12),  # 45e12 per chip, 2 cores
     ("TPU v3", 61.5e12),  # 123e12 per chip, 2 cores

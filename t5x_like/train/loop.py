@@ -20,17 +20,14 @@ import ml_collections
 import numpy as np
 
 from t5x_like.data.loader import make_loader
-from t5x_like.data.pipeline import OBJECTIVE_FAMILIES, make_objective
-from t5x_like.data.sources import source_from_spec
-from t5x_like.data.store import split_held_out
-from t5x_like.data.tokenize import build_store
-from t5x_like.data.vocab import default_vocab, load_vocab
+from t5x_like.errors import NonFiniteLossError
+from t5x_like.experiment import (build_data, build_model_from_config, config_vocab,
+                                 global_batch_shapes, phase_configs)
 from t5x_like.fs import resolve_path
-from t5x_like.models import build_model, preset
 from t5x_like.parallel import DEFAULT_RULES, mesh_from_config, shard_batch
 from t5x_like.train import flops as flops_lib
 from t5x_like.train.checkpoints import Checkpointer
-from t5x_like.train.config_check import ConfigError, local_device_memory, validate
+from t5x_like.train.config_check import local_device_memory, validate
 from t5x_like.train.metrics import (MetricWriter, perplexity, read_jsonl,
                                     summarize_train_metrics)
 from t5x_like.train.optimizers import make_optimizer
@@ -39,10 +36,6 @@ from t5x_like.train.setup_guard import undo_on_user_error
 from t5x_like.train.state import abstract_train_state, create_train_state
 from t5x_like.train.step import make_eval_step, make_train_step
 from t5x_like.workdir_lock import WorkdirLock
-
-
-class NonFiniteLossError(RuntimeError):
-  """The loss became NaN or infinite; the message names the step."""
 
 
 class _Preemption:
@@ -80,85 +73,6 @@ class TrainResult(dict):
   def __init__(self, metrics: dict, step: int, status: str):
     super().__init__(metrics)
     self.step, self.status = step, status
-
-
-def objective_kwargs(config) -> dict:
-  """The objective's keyword arguments of config.data: its options and targets_length."""
-  kwargs = dict(config.data.options)
-  if config.data.targets_length:
-    kwargs["targets_length"] = config.data.targets_length
-  return kwargs
-
-
-def config_vocab(config):
-  """The vocabulary of config.data: data.vocab, or the shipped one of the objective's family."""
-  data = config.data
-  family = OBJECTIVE_FAMILIES.get(data.objective)
-  if family is None:
-    raise ConfigError(f"data.objective={data.objective!r}: expected one of"
-                      f" {sorted(OBJECTIVE_FAMILIES)}")
-  return load_vocab(data.vocab) if data.vocab else default_vocab(family)
-
-
-def build_data(config, workdir: str):
-  """(vocab, train objective, eval objective, data stats) from config.data."""
-  data = config.data
-  vocab = config_vocab(config)
-  cache_dir = data.cache_dir or os.path.join(workdir, "data_cache")
-  store, stats = build_store(source_from_spec(data.source), vocab, cache_dir=cache_dir)
-  if data.eval_source:
-    train_store = store
-    eval_store, _ = build_store(source_from_spec(data.eval_source), vocab, cache_dir=cache_dir)
-  else:
-    train_store, eval_store = split_held_out(store, data.eval_fraction)
-  kwargs = objective_kwargs(config)
-  train_objective = make_objective(data.objective, train_store, vocab, seed=config.seed,
-                                   length=data.length, **kwargs)
-  eval_objective = make_objective(data.objective, eval_store, vocab, seed=config.seed + 1,
-                                  length=data.length, **kwargs)
-  return vocab, train_objective, eval_objective, stats
-
-
-def build_model_from_config(config, vocab_size: int):
-  overrides = dict(dtype=config.model.dtype, scan_layers=config.model.scan_layers,
-                   remat_policy=config.model.remat_policy, vocab_size=vocab_size)
-  overrides.update(config.model.overrides)
-  return build_model(preset(config.model.preset, **overrides))
-
-
-def phase_configs(config: ml_collections.ConfigDict) -> list[tuple[int, ml_collections.ConfigDict]]:
-  """[(until_step, config of that phase)] from config.train.phases (train/defaults.py).
-
-  Without phases: one phase to num_steps. A phase's config is `config` with data.length
-  replaced and data.options updated by the phase's entries.
-  """
-  phases = list(config.train.phases or ())
-  if not phases:
-    return [(int(config.train.num_steps), config)]
-  out, previous = [], 0
-  for i, phase in enumerate(phases):
-    phase = dict(phase)
-    unknown = sorted(set(phase) - {"until_step", "length", "options"})
-    if unknown or "until_step" not in phase:
-      raise ValueError(f"config.train.phases[{i}]: expected keys until_step, length,"
-                       f" options; got {sorted(phase)}")
-    until = int(phase["until_step"])
-    if until <= previous:
-      raise ValueError(f"config.train.phases[{i}].until_step={until}: must exceed the"
-                       f" previous phase's ({previous})")
-    c = ml_collections.ConfigDict(config.to_dict())
-    c.data.length = int(phase.get("length", c.data.length))
-    c.data.options.update(dict(phase.get("options", {})))
-    out.append((until, c))
-    previous = until
-  if previous != config.train.num_steps:
-    raise ValueError(f"config.train.phases[-1].until_step={previous}: must equal"
-                     f" config.train.num_steps={config.train.num_steps}")
-  return out
-
-
-def _global_batch_shapes(objective, batch_size: int) -> dict[str, tuple]:
-  return {k: (batch_size, *shape) for k, shape in objective.feature_shapes().items()}
 
 
 def _last_eval(jsonl_path: str) -> dict:
@@ -209,7 +123,7 @@ def _train(config, workdir: str, is_main: bool, setup) -> TrainResult:
   model = build_model_from_config(config, vocab.vocab_size)
   mesh = mesh_from_config(config.mesh)
   rules = tuple(config.mesh.rules) or DEFAULT_RULES
-  batch_shapes = _global_batch_shapes(objective, tc.batch_size)
+  batch_shapes = global_batch_shapes(objective, tc.batch_size)
   optimizer, schedule = make_optimizer(config.optimizer, tc.num_steps)
 
   # ----------------------------------------------------------- state, resume
@@ -263,7 +177,7 @@ def _run_phases(config, phases, step: int, state, data_state, run: "_Run", objec
         continue
       if phase:
         _, objective, eval_objective, _ = build_data(phase_config, workdir)
-        batch_shapes = _global_batch_shapes(objective, config.train.batch_size)
+        batch_shapes = global_batch_shapes(objective, config.train.batch_size)
       if len(phases) > 1:
         run.writer.log(f"phase {phase}: steps {step}..{until_step}, length"
                        f" {phase_config.data.length}, {dict(phase_config.data.options)}")

@@ -90,7 +90,8 @@ def initialize_distributed(fv: flags.FlagValues) -> None:
 def main(argv: list[str]) -> int:
   fv = parse_flags("train", argv, _flags, required=("config", "workdir"), doc=__doc__)
   initialize_distributed(fv)
-  from t5x_like.train.loop import NonFiniteLossError, train
+  from t5x_like.errors import NonFiniteLossError
+  from t5x_like.train.loop import train
   try:
     result = train(fv.config, fv.workdir)
   except NonFiniteLossError as e:

@@ -2,11 +2,12 @@
 
   make_optimizer(opt_cfg, num_steps) -> (optax.GradientTransformation, schedule)
 
-AdamW follows BERT's reference AdamWeightDecayOptimizer (SPECS.md 3): decoupled
-weight decay on kernels and embeddings only, optionally no bias correction.
-Adafactor follows T5 (SPECS.md 4): factored second moments, decay rate 0.8, no
-momentum. Every schedule is a pure jnp function of the update count `step`
-(0 for the first update), the same count the train step reports.
+AdamW follows BERT's reference AdamWeightDecayOptimizer (google-research/bert
+optimization.py): decoupled weight decay on kernels and embeddings only, optionally
+no bias correction. Adafactor follows T5 (Shazeer & Stern 2018; the T5 paper, section
+3.1.2): factored second moments, decay rate 0.8, no momentum. Every schedule is a pure
+jnp function of the update count `step` (0 for the first update), the same count the
+train step reports. OPTIMIZERS and SCHEDULES below are the registries configs name.
 """
 
 from __future__ import annotations
@@ -90,32 +91,28 @@ def constant_schedule(lr: float, warmup_steps: int = 0) -> Schedule:
   return schedule
 
 
+# name -> (lr, warmup_steps, decay_steps, end_fraction) -> Schedule; a new schedule is
+# a function above and one line here (validation reads the names from this table).
+SCHEDULES: dict[str, Callable[[float, int, int, float], Schedule]] = {
+    "linear": linear_schedule,
+    "rsqrt": lambda lr, warmup, decay, end: rsqrt_schedule(lr, warmup),
+    "cosine": cosine_schedule,
+    "constant": lambda lr, warmup, decay, end: constant_schedule(lr, warmup),
+}
+
+
 def make_schedule(opt_cfg, num_steps: int) -> Schedule:
-  """The schedule named by opt_cfg.schedule (linear | rsqrt | cosine | constant)."""
-  lr = float(opt_cfg.learning_rate)
-  warmup = int(opt_cfg.warmup_steps)
+  """The schedule named by opt_cfg.schedule (a key of SCHEDULES)."""
+  if opt_cfg.schedule not in SCHEDULES:
+    raise ValueError(f"optimizer.schedule={opt_cfg.schedule!r}: expected one of"
+                     f" {sorted(SCHEDULES)}")
   decay = int(opt_cfg.get("decay_steps", 0)) or int(num_steps)
-  end = float(opt_cfg.get("end_learning_rate_fraction", 0.0))
-  name = opt_cfg.schedule
-  if name == "linear":
-    return linear_schedule(lr, warmup, decay, end)
-  if name == "rsqrt":
-    return rsqrt_schedule(lr, warmup)
-  if name == "cosine":
-    return cosine_schedule(lr, warmup, decay, end)
-  if name == "constant":
-    return constant_schedule(lr, warmup)
-  raise ValueError(f"optimizer.schedule={name!r}: expected linear | rsqrt | cosine | constant")
+  return SCHEDULES[opt_cfg.schedule](float(opt_cfg.learning_rate), int(opt_cfg.warmup_steps),
+                                     decay, float(opt_cfg.get("end_learning_rate_fraction",
+                                                              0.0)))
 
 
 # --------------------------------------------------------- weight-decay mask
-def _key_name(key) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
 def is_decayed(path: tuple[str, ...]) -> bool:
   """Whether weight decay applies to the param at `path` (module names..., leaf name).
 
@@ -133,7 +130,8 @@ def is_decayed(path: tuple[str, ...]) -> bool:
 def decay_mask(params: Any) -> Any:
   """Tree of bools like `params`: True where weight decay applies (see is_decayed)."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: is_decayed(tuple(_key_name(k) for k in path)), params)
+      lambda path, _: is_decayed(tuple(
+          jax.tree_util.keystr(path, simple=True, separator="/").split("/"))), params)
 
 
 # --------------------------------------------------------------------- adam
@@ -194,23 +192,34 @@ def adafactor(schedule: Schedule, *, decay_rate: float, clip_norm: float,
   return optax.chain(*parts)
 
 
+def _adamw(opt_cfg, schedule: Schedule, clip_norm: float, weight_decay: float):
+  return adamw(schedule, b1=float(opt_cfg.b1), b2=float(opt_cfg.b2), eps=float(opt_cfg.eps),
+               weight_decay=weight_decay, bias_correction=bool(opt_cfg.bias_correction),
+               clip_norm=clip_norm)
+
+
+def _adafactor(opt_cfg, schedule: Schedule, clip_norm: float, weight_decay: float):
+  return adafactor(schedule, decay_rate=float(opt_cfg.adafactor_decay_rate),
+                   clip_norm=clip_norm, weight_decay=weight_decay)
+
+
+# name -> (opt_cfg, schedule, clip_norm, weight_decay) -> optax transformation; a new
+# optimizer is a builder and one line here (validation reads the names from this table).
+OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {
+    "adamw": _adamw,
+    "adafactor": _adafactor,
+}
+
+
 def make_optimizer(opt_cfg, num_steps: int) -> tuple[optax.GradientTransformation, Schedule]:
   """(optax transformation, schedule) from a `c.optimizer` ConfigDict (train/defaults.py).
 
   schedule(step) is the lr applied by the update that takes params from step to
   step + 1 (step 0 = the first update).
   """
+  if opt_cfg.name not in OPTIMIZERS:
+    raise ValueError(f"optimizer.name={opt_cfg.name!r}: expected one of {sorted(OPTIMIZERS)}")
   schedule = make_schedule(opt_cfg, num_steps)
   clip_norm = float(opt_cfg.get("clip_norm", 0.0) or 0.0)
   weight_decay = float(opt_cfg.get("weight_decay", 0.0) or 0.0)
-  name = opt_cfg.name
-  if name == "adamw":
-    tx = adamw(schedule, b1=float(opt_cfg.b1), b2=float(opt_cfg.b2), eps=float(opt_cfg.eps),
-               weight_decay=weight_decay, bias_correction=bool(opt_cfg.bias_correction),
-               clip_norm=clip_norm)
-  elif name == "adafactor":
-    tx = adafactor(schedule, decay_rate=float(opt_cfg.adafactor_decay_rate),
-                   clip_norm=clip_norm, weight_decay=weight_decay)
-  else:
-    raise ValueError(f"optimizer.name={name!r}: expected adamw | adafactor")
-  return tx, schedule
+  return OPTIMIZERS[opt_cfg.name](opt_cfg, schedule, clip_norm, weight_decay), schedule

@@ -1,0 +1,127 @@
+"""From a config to the objects of an experiment: the one room where configs are built.
+
+  vocab = config_vocab(config)                        # data.vocab or the objective's
+  model = build_model_from_config(config, vocab.vocab_size)
+  vocab, objective, eval_objective, stats = build_data(config, workdir)
+  for until_step, phase_config in phase_configs(config): ...
+
+The trainer, fine-tuning, infer, plan and bench all build through here, so a config
+means the same model, vocabulary, objective and phases to each of them. This module
+imports the libraries (data, models) and nothing of the commands above them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+from t5x_like.data.pipeline import OBJECTIVES, make_objective
+from t5x_like.data.sources import source_from_spec
+from t5x_like.data.store import split_held_out
+from t5x_like.data.tokenize import build_store
+from t5x_like.data.vocab import Vocabulary, default_vocab, load_vocab
+from t5x_like.errors import UserError
+from t5x_like.models import build_model, preset
+
+
+class ExperimentConfigError(UserError, ValueError):
+  """A config that names what does not exist (an objective, a malformed phase)."""
+
+
+def objective_kwargs(config) -> dict:
+  """The objective's keyword arguments of config.data: its options and targets_length."""
+  kwargs = dict(config.data.options)
+  if config.data.targets_length:
+    kwargs["targets_length"] = config.data.targets_length
+  return kwargs
+
+
+def config_vocab(config, *, shapes_only: bool = False) -> Vocabulary:
+  """The vocabulary of config.data: data.vocab, or the shipped one of the objective's
+  vocabulary family.
+
+  shapes_only: for planning on another machine: a data.vocab that is not here (a bucket
+  path, another machine's file) falls back to the family's shipped one when
+  model.overrides.vocab_size fixes the model's size (shapes need only its special ids).
+  """
+  data = config.data
+  spec = OBJECTIVES.get(data.objective)
+  if spec is None:
+    raise ExperimentConfigError(f"data.objective={data.objective!r}: expected one of"
+                                f" {sorted(OBJECTIVES)}")
+  if not data.vocab:
+    return default_vocab(spec.vocab_family)
+  try:
+    return load_vocab(data.vocab)
+  except (FileNotFoundError, OSError):
+    if shapes_only and "vocab_size" in config.model.overrides:
+      return default_vocab(spec.vocab_family)
+    raise
+
+
+def build_model_from_config(config, vocab_size: int):
+  """The model of config.model (preset, dtype, scan, remat, overrides) for `vocab_size`
+  ids; model.overrides.vocab_size, when set, wins."""
+  overrides = dict(dtype=config.model.dtype, scan_layers=config.model.scan_layers,
+                   remat_policy=config.model.remat_policy, vocab_size=vocab_size)
+  overrides.update(config.model.overrides)
+  return build_model(preset(config.model.preset, **overrides))
+
+
+def build_objective(config, store, vocab: Vocabulary, *, seed: int):
+  """config.data's objective over `store` (its length, options and targets_length)."""
+  return make_objective(config.data.objective, store, vocab, seed=seed,
+                        length=config.data.length, **objective_kwargs(config))
+
+
+def build_data(config, workdir: str):
+  """(vocab, train objective, eval objective, data stats) from config.data; the token
+  cache goes to data.cache_dir, else <workdir>/data_cache."""
+  data = config.data
+  vocab = config_vocab(config)
+  cache_dir = data.cache_dir or os.path.join(workdir, "data_cache")
+  store, stats = build_store(source_from_spec(data.source), vocab, cache_dir=cache_dir)
+  if data.eval_source:
+    train_store = store
+    eval_store, _ = build_store(source_from_spec(data.eval_source), vocab, cache_dir=cache_dir)
+  else:
+    train_store, eval_store = split_held_out(store, data.eval_fraction)
+  return (vocab, build_objective(config, train_store, vocab, seed=config.seed),
+          build_objective(config, eval_store, vocab, seed=config.seed + 1), stats)
+
+
+def global_batch_shapes(objective, batch_size: int) -> dict[str, tuple]:
+  """{feature: (batch_size, *per-example shape)} of `objective`."""
+  return {k: (batch_size, *shape) for k, shape in sorted(objective.feature_shapes().items())}
+
+
+def phase_configs(config: ml_collections.ConfigDict) -> list[tuple[int, ml_collections.ConfigDict]]:
+  """[(until_step, config of that phase)] from config.train.phases (train/defaults.py).
+
+  Without phases: one phase to num_steps. A phase's config is `config` with data.length
+  replaced and data.options updated by the phase's entries.
+  """
+  phases = list(config.train.phases or ())
+  if not phases:
+    return [(int(config.train.num_steps), config)]
+  out, previous = [], 0
+  for i, phase in enumerate(phases):
+    phase = dict(phase)
+    unknown = sorted(set(phase) - {"until_step", "length", "options"})
+    if unknown or "until_step" not in phase:
+      raise ExperimentConfigError(f"train.phases[{i}]: expected keys until_step, length,"
+                                  f" options; got {sorted(phase)}")
+    until = int(phase["until_step"])
+    if until <= previous:
+      raise ExperimentConfigError(f"train.phases[{i}].until_step={until}: must exceed the"
+                                  f" previous phase's ({previous})")
+    c = ml_collections.ConfigDict(config.to_dict())
+    c.data.length = int(phase.get("length", c.data.length))
+    c.data.options.update(dict(phase.get("options", {})))
+    out.append((until, c))
+    previous = until
+  if previous != config.train.num_steps:
+    raise ExperimentConfigError(f"train.phases[-1].until_step={previous}: must equal"
+                                f" train.num_steps={config.train.num_steps}")
+  return out
