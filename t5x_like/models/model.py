@@ -16,6 +16,7 @@ every parameter for sharding.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Optional
 
 import flax.linen as nn
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5x_like.models import losses
+from t5x_like.models import cost, losses
 from t5x_like.models.config import ModelConfig
 from t5x_like.models.families import DecoderModule, EncoderDecoderModule, EncoderModule
 
@@ -81,6 +82,27 @@ class Model:
     rngs = {} if dropout_rng is None else {"dropout": dropout_rng}
     return module.apply({"params": params}, dict(batch), rngs=rngs)
 
+  # Layer stacks -> the ModelConfig field that counts their layers.
+  stack_fields: dict[str, str] = {}
+
+  @classmethod
+  def stack_layers(cls, config: ModelConfig) -> dict[str, int]:
+    """{stack ('encoder' / 'decoder'): number of layers} of this family."""
+    return {stack: getattr(config, field) or config.num_layers
+            for stack, field in cls.stack_fields.items()}
+
+  @classmethod
+  def logits_rows(cls, config: ModelConfig, batch_shapes: Mapping[str, Any]) -> int:
+    """Rows of the [rows, vocab] logits of a batch (decoder tokens unless overridden)."""
+    return math.prod(batch_shapes["decoder_input_tokens"])
+
+  @classmethod
+  def forward_flops_breakdown(cls, config: ModelConfig,
+                              batch_shapes: Mapping[str, Any]) -> dict[str, float]:
+    """Matmul FLOPs of one forward over a batch of `batch_shapes`, by part (qo_proj,
+    kv_proj, attention, mlp, head, logits); conventions in t5x_like/train/flops.py."""
+    raise NotImplementedError(f"{cls.__name__} has no FLOP formula")
+
   def logits(self, params: Params, batch: Mapping[str, Array]):
     """Deterministic forward; see each family for the output."""
     return self.apply(params, batch)
@@ -90,9 +112,33 @@ class EncoderModel(Model):
   """BERT. logits() -> {'mlm_logits': [B, L, V], 'nsp_logits': [B, 2]} at every position."""
 
   module_class = EncoderModule
+  stack_fields = {"encoder": "num_layers"}
+
+  @classmethod
+  def logits_rows(cls, config, batch_shapes):
+    """Masked positions (every position without mlm_positions); 0 without an MLM head."""
+    if not config.mlm_head:
+      return 0
+    return math.prod(batch_shapes.get("mlm_positions") or batch_shapes["encoder_input_tokens"])
 
   def example_batch_shapes(self, batch: int = 2, length: int = 8) -> dict[str, tuple]:
     return {"encoder_input_tokens": (batch, length), "encoder_type_ids": (batch, length)}
+
+  @classmethod
+  def forward_flops_breakdown(cls, config, batch_shapes):
+    """The stack, then the MLM transform and logits at mlm_positions (every position
+    without them) and the pooler and NSP classifier on [CLS]."""
+    b, length = cost.batch_length(batch_shapes, "encoder_input_tokens")
+    d, out, head = config.d_model, cost.encoder_stack(config, b, length), 0.0
+    if config.mlm_head:
+      p = (cost.batch_length(batch_shapes, "mlm_positions")[1]
+           if batch_shapes.get("mlm_positions") is not None else length)
+      head += 2.0 * b * p * d * d  # MLM transform
+      out["logits"] = 2.0 * b * p * d * config.vocab_size
+    if config.nsp_head:
+      head += 2.0 * b * d * d + 2.0 * b * d * 2  # pooler + NSP classifier on [CLS]
+    out["head"] = head
+    return out
 
   def logits(self, params, batch):
     batch = {k: v for k, v in batch.items() if k != "mlm_positions"}
@@ -180,19 +226,33 @@ class DecoderModel(_SequenceModel):
   """
 
   module_class = DecoderModule
+  stack_fields = {"decoder": "num_layers"}
 
   def example_batch_shapes(self, batch: int = 2, length: int = 8) -> dict[str, tuple]:
     return {"decoder_input_tokens": (batch, length)}
+
+  @classmethod
+  def forward_flops_breakdown(cls, config, batch_shapes):
+    b, t = cost.batch_length(batch_shapes, "decoder_input_tokens")
+    return cost.decoder_stack(config, b, t, config.num_layers)
 
 
 class EncoderDecoderModel(_SequenceModel):
   """T5. logits() -> [B, T, V] decoder logits given encoder and decoder inputs."""
 
   module_class = EncoderDecoderModule
+  stack_fields = {"encoder": "num_layers", "decoder": "num_decoder_layers"}
   default_eos_id = 1  # T5's </s>; decoding starts from the pad id 0
 
   def example_batch_shapes(self, batch: int = 2, length: int = 8) -> dict[str, tuple]:
     return {"encoder_input_tokens": (batch, length), "decoder_input_tokens": (batch, length)}
+
+  @classmethod
+  def forward_flops_breakdown(cls, config, batch_shapes):
+    b, length = cost.batch_length(batch_shapes, "encoder_input_tokens")
+    _, t = cost.batch_length(batch_shapes, "decoder_input_tokens")
+    return cost.add(cost.encoder_stack(config, b, length),
+                    cost.decoder_stack(config, b, t, config.decoder_layers, length))
 
 
 MODEL_CLASSES = {

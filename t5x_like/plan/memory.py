@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from t5x_like.models import build_model
+from t5x_like.models.model import MODEL_CLASSES
 from t5x_like.plan.params import tree_bytes_per_device
 from t5x_like.train.state import opt_state_shardings
 
@@ -155,11 +156,10 @@ def _residual_bytes(cfg, batch_shapes, tensor: int) -> tuple[int, int, int]:
 
 
 def _depths(cfg) -> list[dict]:
-  """Layer counts to trace (1 and 2 of each stack) and how to combine them."""
-  if cfg.family == "encoder_decoder":
-    return [dict(num_layers=1, num_decoder_layers=1), dict(num_layers=2, num_decoder_layers=1),
-            dict(num_layers=1, num_decoder_layers=2)]
-  return [dict(num_layers=1), dict(num_layers=2)]
+  """Layer counts to trace: 1 in every stack, then 2 in each stack in turn."""
+  fields = MODEL_CLASSES[cfg.family].stack_fields
+  one = {field: 1 for field in fields.values()}
+  return [one] + [{**one, field: 2} for field in fields.values()]
 
 
 def layer_residual_bytes(cfg, batch_shapes, tensor: int) -> dict[str, int]:
@@ -168,24 +168,18 @@ def layer_residual_bytes(cfg, batch_shapes, tensor: int) -> dict[str, int]:
   traced = [_residual_bytes(cfg.replace(**d), batch_shapes, tensor) for d in _depths(cfg)]
   one = traced[0][0]
   out = {"logits": traced[0][1], "largest": traced[0][2]}
-  if cfg.family == "encoder_decoder":
-    out["encoder"] = traced[1][0] - one
-    out["decoder"] = traced[2][0] - one
-    out["outside"] = one - out["encoder"] - out["decoder"]
-  else:
-    key = "encoder" if cfg.family == "encoder" else "decoder"
-    out[key] = traced[1][0] - one
-    out["outside"] = one - out[key]
+  stacks = list(MODEL_CLASSES[cfg.family].stack_fields)
+  for stack, (two, _, _) in zip(stacks, traced[1:]):
+    out[stack] = two - one
+  out["outside"] = one - sum(out[stack] for stack in stacks)
   return out
 
 
 def activation_bytes(cfg, batch_shapes, tensor: int, remat_policy: str) -> dict[str, int]:
   """{'activations', 'backward', 'logits'} bytes per device for a per-device batch."""
-  layers = {"encoder": cfg.num_layers if cfg.family != "decoder" else 0,
-            "decoder": {"encoder": 0, "decoder": cfg.num_layers,
-                        "encoder_decoder": cfg.decoder_layers}[cfg.family]}
+  layers = MODEL_CLASSES[cfg.family].stack_layers(cfg)
   saved = layer_residual_bytes(cfg.replace(remat_policy=remat_policy), batch_shapes, tensor)
-  total = saved["outside"] + sum(n * saved.get(k, 0) for k, n in layers.items())
+  total = saved["outside"] + sum(n * saved[k] for k, n in layers.items())
   plain = saved
   if remat_policy != "none":
     plain = layer_residual_bytes(cfg.replace(remat_policy="none"), batch_shapes, tensor)
@@ -193,19 +187,8 @@ def activation_bytes(cfg, batch_shapes, tensor: int, remat_policy: str) -> dict[
   # attention scores' and probabilities'), plus, with remat, the recomputed forward.
   working = 2 * plain["largest"]
   if remat_policy != "none":
-    working += max(plain.get(k, 0) for k, n in layers.items() if n)
+    working += max(plain[k] for k, n in layers.items() if n)
   return {"activations": total, "backward": working, "logits": saved["logits"]}
-
-
-def _logits_rows(cfg, batch_shapes) -> int:
-  """Rows of the [rows, vocab] logits: masked positions (BERT) or decoder tokens."""
-  if cfg.family == "encoder":
-    if not cfg.mlm_head:
-      return 0
-    shape = batch_shapes.get("mlm_positions") or batch_shapes["encoder_input_tokens"]
-  else:
-    shape = batch_shapes["decoder_input_tokens"]
-  return math.prod(shape)
 
 
 # ---------------------------------------------------------------------- total
@@ -248,15 +231,15 @@ def estimate_memory(model, optimizer, mesh, param_shardings: Any, abstract_param
   micro = per_device_batch_shapes(batch_shapes, batch_shards, microbatches)
   remat = effective_remat_policy(cfg, platform)
   acts = activation_bytes(cfg, micro, tensor, remat)
-  layers = cfg.num_layers + (cfg.decoder_layers if cfg.family == "encoder_decoder" else 0)
+  layers = sum(MODEL_CLASSES[cfg.family].stack_layers(cfg).values())
   fraction = min(1.0, 2 / layers) if cfg.scan_layers else 1.0
   return MemoryEstimate(
       params=params, opt_state=opt_state,
       batch=sum(4 * math.prod(s) for s in device_batch.values()),
       grads=params * (2 if microbatches > 1 else 1),
       activations=acts["activations"], backward=acts["backward"],
-      logits=acts["logits"] + 2 * 4 * math.ceil(_logits_rows(cfg, micro) * cfg.vocab_size
-                                                / tensor),
+      logits=acts["logits"] + 2 * 4 * math.ceil(
+          MODEL_CLASSES[cfg.family].logits_rows(cfg, micro) * cfg.vocab_size / tensor),
       gathered=gathered_weight_bytes(abstract_params, param_shardings, mesh_shape, fraction),
       update=2 * params,
       per_device_batch=next(iter(device_batch.values()))[0], remat_policy=remat)

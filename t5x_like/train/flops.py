@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5x_like.models.config import ModelConfig
+from t5x_like.models.model import MODEL_CLASSES
 
 # Dense bf16 peak FLOP/s of one JAX device, by substring of `device.device_kind`
 # (first match wins, so longer names come first; Cloud TPU and NVIDIA datasheets). On
@@ -51,68 +52,15 @@ _PEAK_BF16 = (
 )
 
 
-def _length(batch_shapes: Mapping[str, Any], name: str) -> tuple[int, int]:
-  """(batch, length) of feature `name`, given as a shape tuple or an array."""
-  value = batch_shapes[name]
-  shape = tuple(value) if isinstance(value, (tuple, list)) else np.shape(value)
-  return int(shape[0]), int(shape[1])
-
-
-def _attention(cfg: ModelConfig, tokens_q: int, tokens_kv: int, len_kv: int) -> dict[str, float]:
-  """One attention layer: `tokens_q` = B*Tq query tokens, each over `len_kv` keys."""
-  d, n, k, h = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
-  return {
-      "qo_proj": 2.0 * 2 * tokens_q * d * n * h,  # query and output projections
-      "kv_proj": 2.0 * 2 * tokens_kv * d * k * h,
-      "attention": 2.0 * 2 * tokens_q * len_kv * n * h,  # QK^T and PV
-  }
-
-
-def _mlp(cfg: ModelConfig, tokens: int) -> float:
-  matrices = 3 if cfg.gated_mlp else 2
-  return 2.0 * matrices * tokens * cfg.d_model * cfg.d_ff
-
-
-def _add(total: dict[str, float], part: dict[str, float], times: int = 1) -> None:
-  for key, value in part.items():
-    total[key] = total.get(key, 0.0) + times * value
-
-
 def forward_flops_breakdown(config: ModelConfig,
                             batch_shapes: Mapping[str, Any]) -> dict[str, float]:
-  """Forward matmul FLOPs by part (qo_proj, kv_proj, attention, mlp, head, logits).
+  """Forward matmul FLOPs by part (qo_proj, kv_proj, attention, mlp, head, logits): the
+  formula of config's model family (its model class's `forward_flops_breakdown`).
 
   batch_shapes: feature name -> shape (or array) of the global batch; uses
   encoder_input_tokens [B, L], decoder_input_tokens [B, T], mlm_positions [B, P].
   """
-  cfg = config
-  d = cfg.d_model
-  out: dict[str, float] = {}
-  if cfg.family in ("encoder", "encoder_decoder"):
-    b, length = _length(batch_shapes, "encoder_input_tokens")
-    _add(out, _attention(cfg, b * length, b * length, length), cfg.num_layers)
-    _add(out, {"mlp": _mlp(cfg, b * length)}, cfg.num_layers)
-    if cfg.family == "encoder":
-      head = 0.0
-      if cfg.mlm_head:
-        p = (_length(batch_shapes, "mlm_positions")[1]
-             if batch_shapes.get("mlm_positions") is not None else length)
-        head += 2.0 * b * p * d * d  # MLM transform
-        out["logits"] = 2.0 * b * p * d * cfg.vocab_size
-      if cfg.nsp_head:
-        head += 2.0 * b * d * d + 2.0 * b * d * 2  # pooler + NSP classifier on [CLS]
-      out["head"] = head
-      return out
-    enc_len = length
-  if cfg.family in ("decoder", "encoder_decoder"):
-    b, t = _length(batch_shapes, "decoder_input_tokens")
-    layers = cfg.num_layers if cfg.family == "decoder" else cfg.decoder_layers
-    _add(out, _attention(cfg, b * t, b * t, t), layers)  # causal, full square
-    if cfg.family == "encoder_decoder":
-      _add(out, _attention(cfg, b * t, b * enc_len, enc_len), layers)  # cross-attention
-    _add(out, {"mlp": _mlp(cfg, b * t)}, layers)
-    out["logits"] = 2.0 * b * t * d * cfg.vocab_size
-  return out
+  return MODEL_CLASSES[config.family].forward_flops_breakdown(config, batch_shapes)
 
 
 def forward_flops(config: ModelConfig, batch_shapes: Mapping[str, Any]) -> float:
