@@ -6,6 +6,10 @@ import csv
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -13,8 +17,8 @@ import pytest
 from t5x_like import cli, corpus
 from t5x_like.finetune import books
 from t5x_like.finetune.loop import epoch_rows
-from t5x_like.train.pretrained import find_checkpoint
 from t5x_like.train.metrics import read_jsonl
+from t5x_like.train.pretrained import find_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "finetune_books.py")
@@ -135,6 +139,38 @@ def test_finetune_from_random_init_resumes_to_the_same_numbers(tmp_path, task_di
   a, b = _saved_params(str(tmp_path / "whole")), _saved_params(str(tmp_path / "cut"))
   for key in a:
     np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_finetune_signal_saves_exits_zero_and_resumes_to_the_same_losses(signum, tmp_path,
+                                                                         task_dir):
+  """SIGTERM / Ctrl-C: a checkpoint at the current step, exit 0, no traceback; the rerun
+  finishes with every loss equal to an uninterrupted run's."""
+  args = ("--config.train.num_steps=300", "--config.train.log_every=1",
+          "--config.train.checkpoint_every=0", "--config.train.eval_every=0")
+  assert _finetune(str(tmp_path / "whole"), task_dir, *args) == 0
+  cut = str(tmp_path / "cut")
+  command = [sys.executable, "-m", "t5x_like.cli", "finetune",
+             f"--config={CONFIG}:bert,smoke,dir={task_dir}", f"--workdir={cut}",
+             f"--config.init.config={BERT_CPU}:smoke", *args]
+  env = dict(os.environ, T5X_LIKE_HUGE_PAGES="0")
+  proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  metrics, deadline = os.path.join(cut, "metrics.jsonl"), time.time() + 300
+  while not (os.path.exists(metrics) and any("loss" in r for r in read_jsonl(metrics))):
+    assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:]
+    time.sleep(0.05)
+  proc.send_signal(signum)
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 0, err[-3000:]
+  assert "Traceback" not in err and "stopped at step" in out, (out, err[-3000:])
+  stopped_at = int(re.search(r"stopped at step (\d+)", out).group(1))
+  assert 1 <= stopped_at < 300 and not os.path.exists(os.path.join(cut, "final_metrics.json"))
+  assert _finetune(cut, task_dir, *args) == 0
+  losses = lambda d: [(r["step"], r["loss"]) for r in read_jsonl(
+      str(tmp_path / d / "metrics.jsonl")) if "loss" in r]
+  assert losses("cut") == losses("whole")
 
 
 def test_finetune_from_a_hugging_face_bert_with_its_vocab_txt(tmp_path, task_dir, capsys):

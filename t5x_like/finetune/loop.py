@@ -28,6 +28,7 @@ from t5x_like.fs import resolve_path
 from t5x_like.train.checkpoints import Checkpointer
 from t5x_like.train.metrics import MetricWriter
 from t5x_like.train.optimizers import make_optimizer
+from t5x_like.train.preemption import Preemption, RunResult
 from t5x_like.train.setup_guard import undo_on_user_error
 from t5x_like.train.state import abstract_train_state, create_train_state
 from t5x_like.train.step import make_train_step
@@ -78,9 +79,10 @@ def _check_config(config) -> None:
 
 
 # ============================================================================ finetune
-def finetune(config: ml_collections.ConfigDict, workdir) -> dict:
+def finetune(config: ml_collections.ConfigDict, workdir) -> RunResult:
   """Fine-tunes config.init's backbone on config.task in workdir (a path, relative or
-  absolute, or a URL such as gs://...; resumes there); returns the final dev metrics.
+  absolute, or a URL such as gs://...; resumes there); returns the final dev metrics
+  (RunResult; status 'stopped' after SIGTERM / Ctrl-C: a checkpoint is saved, rerun).
   A UserError (bad config, rows, backbone, a locked workdir) leaves the workdir as it
   was."""
   _check_config(config)
@@ -89,7 +91,7 @@ def finetune(config: ml_collections.ConfigDict, workdir) -> dict:
     return _finetune(config, os.fspath(workdir_path), setup)
 
 
-def _finetune(config, workdir: str, setup) -> dict:
+def _finetune(config, workdir: str, setup) -> RunResult:
   task, tc = config.task, config.train
 
   # ---------------------------------------------------------------- backbone, data
@@ -165,6 +167,7 @@ def _finetune(config, workdir: str, setup) -> dict:
     return result, predictions
 
   dev_metrics, predictions, started = None, None, time.perf_counter()
+  preemption = Preemption()
   try:
     while step < tc.num_steps:
       rows = epoch_rows(step, tc.batch_size, num_train, config.seed)
@@ -182,10 +185,17 @@ def _finetune(config, workdir: str, setup) -> dict:
         checkpointer.save(step, state, {"epoch": step * tc.batch_size / num_train})
       if (tc.eval_every and step % tc.eval_every == 0) or step == tc.num_steps:
         dev_metrics, predictions = evaluate(step)
+      if preemption.requested and step < tc.num_steps:
+        writer.log(f"{preemption.requested}: saving a checkpoint at step {step} and"
+                   " stopping; rerun the same command to resume")
+        checkpointer.save(step, state, {"epoch": step * tc.batch_size / num_train},
+                          force=True)
+        return RunResult(dev_metrics or {}, step, "stopped")
     if dev_metrics is None:  # resumed at the end: evaluate the restored state
       dev_metrics, predictions = evaluate(step)
     checkpointer.save(step, state, {"epoch": step * tc.batch_size / num_train}, force=True)
   finally:
+    preemption.restore()
     try:
       checkpointer.wait()
       checkpointer.close()
@@ -201,4 +211,4 @@ def _finetune(config, workdir: str, setup) -> dict:
                seconds=round(time.perf_counter() - started, 1))
   fs.write_bytes(os.path.join(workdir, "final_metrics.json"),
                  json.dumps(final, indent=1).encode())
-  return final
+  return RunResult(final, step, "finished")

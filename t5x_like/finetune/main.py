@@ -1,8 +1,9 @@
 """`t5x-like finetune --config configs/<file>.py[:arg] --workdir DIR [--config.key=value ...]`.
 
 Fine-tunes the backbone named by config.init on config.task (finetune/defaults.py) and
-prints the final dev metrics. Exit status 2 on bad input (a bad data row names its
-file and line), 1 on a non-finite loss.
+prints the final dev metrics. SIGTERM or Ctrl-C saves a checkpoint and stops (exit 0;
+rerun to resume). Exit status 2 on bad input (a bad data row names its file and line),
+1 on a non-finite loss.
 """
 
 from __future__ import annotations
@@ -34,5 +35,9 @@ def main(argv: list[str]) -> int:
   except NonFiniteLossError as e:
     print(f"t5x-like finetune: {e}", file=sys.stderr)
     return 1
+  if final.status == "stopped":
+    print(f"stopped at step {final.step}: checkpoint saved; rerun the same command to"
+          " resume", flush=True)
+    return 0
   print("final dev metrics: " + json.dumps(final), flush=True)
   return 0

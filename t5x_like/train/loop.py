@@ -10,10 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
-import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import ml_collections
@@ -31,48 +29,12 @@ from t5x_like.train.config_check import local_device_memory, validate
 from t5x_like.train.metrics import (MetricWriter, perplexity, read_jsonl,
                                     summarize_train_metrics)
 from t5x_like.train.optimizers import make_optimizer
+from t5x_like.train.preemption import Preemption, RunResult
 from t5x_like.train.prefetch import DevicePrefetcher
 from t5x_like.train.setup_guard import undo_on_user_error
 from t5x_like.train.state import abstract_train_state, create_train_state
 from t5x_like.train.step import make_eval_step, make_train_step
 from t5x_like.workdir_lock import WorkdirLock
-
-
-class _Preemption:
-  """Turns SIGTERM and SIGINT (Ctrl-C) into a flag the loop checks after each step: the
-  run saves a checkpoint and stops. A second SIGINT interrupts at once."""
-
-  SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-  def __init__(self):
-    self.requested: Optional[str] = None  # the signal's name once one came
-    self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-
-  def _handle(self, signum, frame):
-    del frame
-    if self.requested == "SIGINT" and signum == signal.SIGINT:
-      raise KeyboardInterrupt
-    self.requested = signal.Signals(signum).name
-    print(f"\n{self.requested}: saving a checkpoint after this step, then stopping"
-          + (" (Ctrl-C again to stop without saving)" if signum == signal.SIGINT else ""),
-          file=sys.stderr, flush=True)
-
-  def restore(self):
-    for s, handler in self._previous.items():
-      signal.signal(s, handler)
-
-
-class TrainResult(dict):
-  """The last eval metrics, as a dict, with how the run ended.
-
-  step: the step reached. status: 'finished' (trained to the end now),
-  'already_finished' (the workdir's run had ended; the metrics are its last eval row)
-  or 'stopped' (a signal; a checkpoint of `step` is saved and a rerun resumes).
-  """
-
-  def __init__(self, metrics: dict, step: int, status: str):
-    super().__init__(metrics)
-    self.step, self.status = step, status
 
 
 def _last_eval(jsonl_path: str) -> dict:
@@ -93,13 +55,13 @@ def _is_finite(metrics: dict) -> bool:
 
 
 # =============================================================================== train
-def train(config: ml_collections.ConfigDict, workdir) -> TrainResult:
+def train(config: ml_collections.ConfigDict, workdir) -> RunResult:
   """Trains config's model in workdir (a local path, relative or absolute, or a URL such
   as gs://...); resumes from its latest checkpoint.
 
   With config.train.phases, runs them in order; a phase starts from the checkpoint the
   previous one saved at its last step, with its own shapes and a fresh data iterator.
-  Returns the last eval metrics (TrainResult). Raises a UserError (ConfigError, a bad
+  Returns the last eval metrics (RunResult). Raises a UserError (ConfigError, a bad
   data source, a locked workdir, ...) before writing anything to the workdir, and
   NonFiniteLossError on a NaN/inf loss.
   """
@@ -114,7 +76,7 @@ def train(config: ml_collections.ConfigDict, workdir) -> TrainResult:
     return _train(config, workdir, is_main, setup)
 
 
-def _train(config, workdir: str, is_main: bool, setup) -> TrainResult:
+def _train(config, workdir: str, is_main: bool, setup) -> RunResult:
   tc = config.train
   phases = phase_configs(config)
 
@@ -151,12 +113,12 @@ def _train(config, workdir: str, is_main: bool, setup) -> TrainResult:
       data_state = extra["data"], extra.get("phase", 0)
       if step >= tc.num_steps:
         writer.log(f"{workdir}: the run already finished at step {step}")
-        return TrainResult(_last_eval(writer.jsonl_path), step, "already_finished")
+        return RunResult(_last_eval(writer.jsonl_path), step, "already_finished")
       writer.truncate_after(step)  # rows of steps after it are about to be redone
       writer.log(f"resumed from step {step}")
     return _run_phases(config, phases, step, state, data_state, _Run(
         model, optimizer, schedule, mesh, rules, rng, state_shardings, checkpointer, writer,
-        _Preemption(), flops_lib.peak_flops_per_device(jax.devices()[0],
+        Preemption(), flops_lib.peak_flops_per_device(jax.devices()[0],
                                                       dtype=model.config.dtype)),
                        objective, eval_objective, batch_shapes, workdir)
   finally:
@@ -168,7 +130,7 @@ def _train(config, workdir: str, is_main: bool, setup) -> TrainResult:
 
 
 def _run_phases(config, phases, step: int, state, data_state, run: "_Run", objective,
-                eval_objective, batch_shapes, workdir: str) -> TrainResult:
+                eval_objective, batch_shapes, workdir: str) -> RunResult:
   """Runs the phases from `step`; the signal handlers are restored on the way out."""
   eval_metrics: dict = {}
   try:
@@ -189,10 +151,10 @@ def _run_phases(config, phases, step: int, state, data_state, run: "_Run", objec
           batch_shapes, resume_data)
       data_state = None
       if stopped:
-        return TrainResult(eval_metrics, step, "stopped")
+        return RunResult(eval_metrics, step, "stopped")
   finally:
     run.preemption.restore()
-  return TrainResult(eval_metrics, step, "finished")
+  return RunResult(eval_metrics, step, "finished")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +169,7 @@ class _Run:
   state_shardings: Any
   checkpointer: Checkpointer
   writer: MetricWriter
-  preemption: _Preemption
+  preemption: Preemption
   peak_flops_per_device: float
 
 
