@@ -101,7 +101,8 @@ class Model:
                               batch_shapes: Mapping[str, Any]) -> dict[str, float]:
     """Matmul FLOPs of one forward over a batch of `batch_shapes`, by part (qo_proj,
     kv_proj, attention, mlp, head, logits); conventions in t5x_like/train/flops.py."""
-    raise NotImplementedError(f"{cls.__name__} has no FLOP formula")
+    raise TypeError(f"{cls.__name__}: only the pretraining families (encoder, decoder,"
+                    " encoder_decoder) have a FLOP formula")
 
   def logits(self, params: Params, batch: Mapping[str, Array]):
     """Deterministic forward; see each family for the output."""
