@@ -18,12 +18,14 @@ import t5x_like.hf as hf
 from t5x_like import parallel
 from t5x_like.data.vocab import default_vocab
 from t5x_like.finetune import metrics
-from t5x_like.finetune.data import DataConfig, DataError, Example, read_examples
-from t5x_like.finetune.encoding import (encode_classification_decoder, encode_examples,
-                                        encode_span_extraction, encode_text_to_text,
-                                        encode_token_classification, label_targets, span_text,
-                                        truncate_pair)
+from t5x_like.finetune.data import DataError, read_examples
+from t5x_like.finetune.encoding import (encode_decoder_pair, encode_examples,
+                                        encode_text_to_text, label_targets, truncate_pair)
 from t5x_like.finetune.model import FinetuneModel
+from t5x_like.finetune.task import Example
+from t5x_like.finetune.tasks import make_task
+from t5x_like.finetune.tasks.span_extraction import encode_span_extraction, span_text
+from t5x_like.finetune.tasks.token_classification import encode_token_classification
 from t5x_like.finetune.tokenizer import as_tokenizer
 from t5x_like.finetune.wordpiece import WordPieceTokenizer
 from t5x_like.models import bert, build_model, gpt2, t5
@@ -119,13 +121,14 @@ CSV_GOOD = 'great movie,pos\n"a\nmultiline, quoted review",neg\n'  # lines 2 and
 def test_csv_bad_row_names_file_and_line(tmp_path, bad_row, fragment):
   path = tmp_path / "train.csv"
   path.write_text(CSV_HEADER + CSV_GOOD + bad_row + "ok,pos\n", encoding="utf-8")
-  cfg = DataConfig(labels=("neg", "pos"))
+  cfg = make_task("classification", labels=("neg", "pos"))
   with pytest.raises(DataError, match=fragment) as info:
     read_examples(path, cfg)
   assert info.value.line == 5 and info.value.path == str(path)
   assert str(info.value).startswith(f"{path}:5: ")
 
-  kept = read_examples(path, DataConfig(labels=("neg", "pos"), skip_bad_rows=True))
+  kept = read_examples(path, make_task("classification", labels=("neg", "pos"),
+                                       skip_bad_rows=True))
   assert [e.line for e in kept.examples] == [2, 3, 6]
   assert kept.stats["bad_rows"] == 1 and kept.stats["examples"] == 3
   assert kept.stats["bad_row_messages"][0].startswith(f"{path}:5: ")
@@ -135,13 +138,14 @@ def test_csv_labels_collected_sorted_and_pairs(tmp_path):
   path = tmp_path / "pairs.csv"
   path.write_text("premise,hypothesis,gold\nA cat.,An animal.,yes\nA cat.,A dog.,no\n"
                   "x,y,maybe\n", encoding="utf-8")
-  data = read_examples(path, DataConfig(text_column="premise", text_pair_column="hypothesis",
+  data = read_examples(path, make_task("classification", text_column="premise",
+                                       text_pair_column="hypothesis",
                                         label_column="gold"))
   assert data.labels == ("maybe", "no", "yes")
   assert [(e.text_pair, e.label) for e in data.examples] == [("An animal.", 2), ("A dog.", 1),
                                                              ("y", 0)]
   with pytest.raises(DataError, match="header has no column 'sentence'") as info:
-    read_examples(path, DataConfig(text_column="sentence"))
+    read_examples(path, make_task("classification", text_column="sentence"))
   assert info.value.line == 1
 
 
@@ -162,9 +166,10 @@ def test_jsonl_bad_line_names_file_and_line(tmp_path, bad_line, fragment):
   path = tmp_path / "dev.jsonl"
   path.write_text("\n".join(JSONL_LINES + [bad_line, JSONL_LINES[0]]) + "\n", encoding="utf-8")
   with pytest.raises(DataError, match=fragment) as info:
-    read_examples(path, DataConfig(), labels=("neg", "pos"))
+    read_examples(path, make_task("classification"), labels=("neg", "pos"))
   assert info.value.line == 4 and str(info.value).startswith(f"{path}:4: ")
-  kept = read_examples(path, DataConfig(skip_bad_rows=True), labels=("neg", "pos"))
+  kept = read_examples(path, make_task("classification", skip_bad_rows=True),
+                       labels=("neg", "pos"))
   assert [e.line for e in kept.examples] == [1, 3, 5]
   assert kept.stats["bad_rows"] == 1 and kept.stats["blank_lines"] == 1
 
@@ -175,7 +180,8 @@ def test_skip_bad_rows_counts_every_reason(tmp_path):
           '{"text": "  ", "label": "neg"}', '{"text": "b", "label": "other"}',
           '{"text": "c", "label": "neg"}']
   path.write_text("\n".join(rows) + "\n", encoding="utf-8")
-  data = read_examples(path, DataConfig(labels=("neg", "pos"), skip_bad_rows=True))
+  data = read_examples(path, make_task("classification", labels=("neg", "pos"),
+                                       skip_bad_rows=True))
   assert [e.line for e in data.examples] == [1, 6]
   assert data.stats["rows"] == 6 and data.stats["bad_rows"] == 4
   assert data.stats["bad_row_reasons"] == {"malformed_json": 1, "missing_column": 1,
@@ -187,16 +193,16 @@ def test_token_and_span_rows(tmp_path):
   tags.write_text(json.dumps({"text": "John lives here", "label": ["B-PER", "O", "O"]}) + "\n"
                   + json.dumps({"text": "Two words", "label": "O"}) + "\n", encoding="utf-8")
   with pytest.raises(DataError, match="1 tags for 2 words") as info:
-    read_examples(tags, DataConfig(task="token_classification"))
+    read_examples(tags, make_task("token_classification"))
   assert info.value.line == 2
-  data = read_examples(tags, DataConfig(task="token_classification", skip_bad_rows=True))
+  data = read_examples(tags, make_task("token_classification", skip_bad_rows=True))
   assert data.labels == ("B-PER", "O") and data.examples[0].tags == (0, 1, 1)
 
   spans = tmp_path / "squad.csv"
   spans.write_text("question,context,answer_text,answer_start\n"
                    "Where?,He lives in Paris.,Paris,12\nWhere?,He lives in Paris.,Paris,3\n",
                    encoding="utf-8")
-  cfg = DataConfig(task="span_extraction", text_column="question", text_pair_column="context")
+  cfg = make_task("span_extraction", text_column="question", text_pair_column="context")
   with pytest.raises(DataError, match="not at character 3") as info:
     read_examples(spans, cfg)
   assert info.value.line == 3
@@ -209,7 +215,7 @@ def test_bert_pair_layout_and_truncation_equal_transformers(vocab_files):
   a, b = "the quick brown fox jumped over the lazy dog", "hello world"
   data = [Example(a, b, label=1), Example("hello", None, label=0)]
   for max_length in (32, 12, 9):
-    batch, stats = encode_examples(data, tok, task="classification", max_length=max_length)
+    batch, stats = encode_examples(data, tok, make_task("classification", max_length=max_length))
     for row, ex in enumerate(data):
       ref = hf_tok(ex.text, ex.text_pair, max_length=max_length, truncation="longest_first",
                    padding="max_length", return_token_type_ids=True)
@@ -219,7 +225,7 @@ def test_bert_pair_layout_and_truncation_equal_transformers(vocab_files):
   # [CLS] a [SEP] b [SEP]: the longer side loses tokens first, b on a tie.
   assert truncate_pair([1] * 5, [2] * 3, 6) == ([1] * 3, [2] * 3)
   assert truncate_pair([1] * 3, [2] * 3, 5) == ([1] * 3, [2] * 2)
-  batch, _ = encode_examples(data, tok, task="classification", max_length=9)
+  batch, _ = encode_examples(data, tok, make_task("classification", max_length=9))
   assert tok.pieces(batch["encoder_input_tokens"][0]) == [
       "[CLS]", "the", "quick", "brown", "fox", "[SEP]", "hello", "world", "[SEP]"]
   assert batch["encoder_type_ids"][0].tolist() == [0] * 6 + [1] * 3
@@ -249,7 +255,8 @@ def test_span_positions_round_trip_to_the_answer(vocab_files, which):
                       answer_start=context.index(answer))
               for answer in ("Paris", "the city of light"[4:], "he lives")]
   examples.append(Example("Who?", context, answer_text="", answer_start=-1))
-  batch, stats = encode_examples(examples, tok, task="span_extraction", max_length=48)
+  batch, stats = encode_examples(examples, tok, make_task("span_extraction", text_pair_column="context",
+                                                          max_length=48))
   assert stats["answers_lost"] == 0
   for row, ex in enumerate(examples):
     start, end = batch["start_positions"][row], batch["end_positions"][row]
@@ -266,7 +273,7 @@ def test_span_positions_round_trip_to_the_answer(vocab_files, which):
 
 def test_decoder_and_text_to_text_encodings():
   gpt = as_tokenizer(default_vocab("gpt"))
-  features, _ = encode_classification_decoder(gpt, Example("a good film", "yes", label=1), 16)
+  features, _ = encode_decoder_pair(gpt, Example("a good film", "yes", label=1), 16)
   ids = gpt.encode("a good film") + [gpt.eos_id] + gpt.encode("yes") + [gpt.eos_id]
   assert features["decoder_input_tokens"][:len(ids)].tolist() == ids
   assert features["decoder_segment_ids"].tolist() == [1] * len(ids) + [0] * (16 - len(ids))
@@ -450,12 +457,12 @@ def test_tiny_bert_finetunes_to_high_accuracy_with_the_train_step(tmp_path):
   for split, n in (("train", 320), ("dev", 128)):
     files[split] = tmp_path / f"{split}.jsonl"
     files[split].write_text("\n".join(json.dumps(r) for r in _toy_rows(rng, n)) + "\n")
-  cfg = DataConfig(text_column="sentence", label_column="sentiment")
+  cfg = make_task("classification", text_column="sentence", label_column="sentiment")
   train = read_examples(files["train"], cfg)
   dev = read_examples(files["dev"], cfg, labels=train.labels)
   assert train.labels == ("neg", "pos")
-  train_batch, _ = encode_examples(train.examples, tok, task="classification", max_length=12)
-  dev_batch, _ = encode_examples(dev.examples, tok, task="classification", max_length=12)
+  train_batch, _ = encode_examples(train.examples, tok, make_task("classification", max_length=12))
+  dev_batch, _ = encode_examples(dev.examples, tok, make_task("classification", max_length=12))
 
   config = bert(2, 32, vocab_size=32, num_heads=2, d_ff=64,  # 23 ids, padded to shard
                 max_position_embeddings=16, dropout_rate=0.0, attention_dropout_rate=0.0)

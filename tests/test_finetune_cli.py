@@ -16,7 +16,8 @@ import pytest
 
 from t5x_like import cli, corpus
 from t5x_like.finetune import books
-from t5x_like.finetune.loop import epoch_rows
+from t5x_like.data.loader import make_loader
+from t5x_like.finetune.encoding import EncodedRows
 from t5x_like.train.metrics import read_jsonl
 from t5x_like.train.pretrained import find_checkpoint
 
@@ -90,12 +91,28 @@ def test_book_task_is_balanced_and_held_out_of_pretraining(task_dir):
   assert not {r["text"] for r in train} & {r["text"] for r in dev}
 
 
-def test_epoch_rows_cover_every_example_once_per_epoch():
-  rows = np.concatenate([epoch_rows(s, 4, 10, seed=3) for s in range(5)])  # 2 epochs
-  assert sorted(rows[:10]) == list(range(10)) and sorted(rows[10:]) == list(range(10))
-  assert not np.array_equal(rows[:10], rows[10:])  # a new order each epoch
-  np.testing.assert_array_equal(epoch_rows(3, 4, 10, seed=3), rows[12:16])  # pure
-  assert not np.array_equal(epoch_rows(0, 10, 10, seed=4), rows[:10])
+def _rows(seed, steps, batch_size, process_index=0, process_count=1, state=None):
+  rows = EncodedRows({"row": np.arange(10)}, seed)
+  loader = iter(make_loader(rows, batch_size, seed=seed, shuffle=False,
+                            process_index=process_index, process_count=process_count))
+  if state is not None:
+    loader.set_state(state)
+  return [next(loader)["row"] for _ in range(steps)]
+
+
+def test_finetune_rows_are_the_concatenated_epoch_permutations():
+  # The reference: batch s is rows s*B .. (s+1)*B of permutation(seed, epoch 0),
+  # permutation(seed, epoch 1), ... written out by hand.
+  order = np.concatenate([np.random.default_rng([3, e]).permutation(10) for e in range(2)])
+  batches = _rows(3, 5, 4)
+  np.testing.assert_array_equal(np.concatenate(batches), order[:20])
+  assert sorted(order[:10]) == list(range(10)) and not np.array_equal(order[:10], order[10:])
+  # Two hosts read the halves of each global batch; a restored loader goes on exactly.
+  halves = [_rows(3, 5, 4, process_index=h, process_count=2) for h in range(2)]
+  for step in range(5):
+    np.testing.assert_array_equal(np.concatenate([halves[0][step], halves[1][step]]),
+                                  batches[step])
+  np.testing.assert_array_equal(_rows(3, 2, 4, state={"next_index": 3})[0], batches[3])
 
 
 # ------------------------------------------------------------------ initialisation

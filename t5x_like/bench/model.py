@@ -30,7 +30,6 @@ import numpy as np
 from t5x_like.data.loader import make_loader
 from t5x_like.data.sources import EmbeddedCorpus
 from t5x_like.data.tokenize import build_store
-from t5x_like.infer.steppers import zero_cache
 from t5x_like.parallel import DEFAULT_RULES, mesh_from_config, shard_batch
 from t5x_like.plan.compiled import compile_train_step, xla_memory
 from t5x_like.train import flops as flops_lib
@@ -157,51 +156,21 @@ class TrainBench:
 
 def _decode_step(model, params, batch_shapes: dict[str, tuple]):
   """(run_once, compile_seconds, cache length) of one cached decoding step for a batch
-  of the training shapes: the cache has the decoder length's slots (T5: over encoder
-  outputs of the encoder length)."""
-  module = model.module(decode=True)
-  cfg = model.config
+  of the training shapes (the model family's `decode_step`)."""
+  cached = model.decode_step(params, batch_shapes)
   batch_size, cache_len = batch_shapes["decoder_input_tokens"][:2]
-  if cfg.family == "decoder":
-    init_batch = {"decoder_input_tokens": jnp.zeros((batch_size, cache_len), jnp.int32)}
-    cache = zero_cache(lambda: module.init(jax.random.key(0), init_batch)["cache"])
-    extra = ()
-
-    def fn(params, cache, token_B, position_B):
-      logits, mutated = module.apply({"params": params, "cache": cache},
-                                     {"decoder_input_tokens": token_B[:, None],
-                                      "decoder_positions": position_B[:, None]},
-                                     mutable=["cache"])
-      return logits[:, 0], mutated["cache"]
-  elif cfg.family == "encoder_decoder":
-    enc = jnp.ones(batch_shapes["encoder_input_tokens"][:2], jnp.int32)
-    encoded = jax.jit(lambda p, t: model.module().apply(
-        {"params": p}, {"encoder_input_tokens": t}, method="encode"))(params, enc)
-    features = {"encoder_input_tokens": enc,
-                "decoder_input_tokens": jnp.zeros((batch_size, cache_len), jnp.int32)}
-    cache = zero_cache(lambda: module.init(jax.random.key(0), encoded, features,
-                                            method="decode_logits")["cache"])
-    extra = (encoded, enc)
-
-    def fn(params, cache, token_B, position_B, encoded, enc):
-      del position_B  # relative positions come from the cache index
-      logits, mutated = module.apply({"params": params, "cache": cache}, encoded,
-                                     {"encoder_input_tokens": enc,
-                                      "decoder_input_tokens": token_B[:, None]},
-                                     method="decode_logits", mutable=["cache"])
-      return logits[:, 0], mutated["cache"]
-  else:
-    raise ValueError(f"model family {cfg.family!r} does not decode")
+  cache = cached.make_cache(batch_size)
   token = jnp.ones((batch_size,), jnp.int32)
   position = jnp.zeros((batch_size,), jnp.int32)
   start = time.perf_counter()
-  compiled = jax.jit(fn, donate_argnums=(1,)).lower(params, cache, token, position,
-                                                     *extra).compile()
+  compiled = jax.jit(cached.step, donate_argnums=(1,)).lower(
+      params, cache, token, position, *cached.context).compile()
   compile_seconds = time.perf_counter() - start
   state = {"cache": cache, "position": position}
 
   def run_once():
-    logits, state["cache"] = compiled(params, state["cache"], token, state["position"], *extra)
+    logits, state["cache"] = compiled(params, state["cache"], token, state["position"],
+                                      *cached.context)
     state["position"] = state["position"] + 1
     jax.block_until_ready(logits)
   return run_once, compile_seconds, cache_len
@@ -247,7 +216,7 @@ def bench_model(config: ml_collections.ConfigDict, *, steps: int = 10, warmup: i
           "xla_memory_per_device": xla_memory(bench.compiled),
       },
   }
-  if decode and cfg.family != "encoder":
+  if decode and bench.model.generates:
     batch_size = bench.batch_shapes["decoder_input_tokens"][0]
     run_once, compile_seconds, cache_len = _decode_step(bench.model, bench.state.params,
                                                         bench.batch_shapes)

@@ -37,10 +37,10 @@ def bench_bert_vs_torch(config: ml_collections.ConfigDict, *, steps: int = 3, ro
     raise ValueError(f"steps={steps}, rounds={rounds} must be >= 1, warmup={warmup} >= 0")
   disable_compilation_cache()
   vocab = config_vocab(config)
-  family = build_model_from_config(config, vocab.vocab_size).config.family
-  if family != "encoder":
+  model = build_model_from_config(config, vocab.vocab_size)
+  if model.hf_model_type != "bert":  # the torch peer is transformers' BertForPreTraining
     raise ValueError(f"bench bert-vs-torch needs a BERT config; {config.model.preset} is"
-                     f" family {family!r}")
+                     f" family {model.config.family!r}")
   batches = host_batches(config, vocab)
   runners, info, last_loss = {}, {}, {}
   for dtype in DTYPES:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from t5x_like.finetune.tasks import task_options
 from t5x_like.train.defaults import default_config as default_train_config
 
 
@@ -30,25 +31,13 @@ def default_finetune_config() -> ml_collections.ConfigDict:
   c.init.hf = ""  # or: a Hugging Face checkpoint directory (instead of init.config)
   c.init.model_overrides = ml_collections.ConfigDict()  # e.g. dropout_rate (not shapes)
 
-  # The task and its data (t5x_like.finetune.data.DataConfig fields).
+  # The task and its files; the other task.* keys are the options of the task types
+  # (the fields of each Task in t5x_like/finetune/tasks/, with their defaults).
   c.task = ml_collections.ConfigDict()
-  c.task.name = "classification"  # classification | token_classification | span_extraction
+  c.task.name = "classification"  # one of t5x_like.finetune.tasks.TASKS
   c.task.train_file = ""  # CSV (header row) or JSONL
   c.task.dev_file = ""
-  c.task.text_column = "text"
-  c.task.text_pair_column = ""  # "" = single texts (span extraction: the context)
-  c.task.label_column = "label"
-  c.task.answer_text_column = "answer_text"
-  c.task.answer_start_column = "answer_start"
-  c.task.labels = ()  # () = every label of the train file, sorted
-  c.task.skip_bad_rows = False  # True: skip and count bad rows instead of stopping
-  c.task.max_length = 128  # encoder / decoder input tokens
-  c.task.max_question_length = 64  # span extraction
-  c.task.target_length = 8  # text to text: label tokens + eos
-  c.task.task_prefix = "classify"  # text to text: "classify: <text>"
-  c.task.pooler = True  # BERT classification through the pooler
-  c.task.pooling = "cls"  # classification reads [CLS] (GPT: the last token) | mean
-  c.task.classifier_dropout = -1.0  # -1 = the model's dropout_rate
+  c.task.update(task_options())
 
   # Tokenizer: "" = the pretraining config's vocabulary (init.hf: its vocab.txt or
   # spiece.model); else a sentencepiece .model or a WordPiece vocab.txt path.

@@ -3,10 +3,9 @@
   ClassificationHead       hidden [B, L, D] -> [B, C] from one position per row: BERT's
                            [CLS] through the pooler (dense + tanh, the pretrained one's
                            name and shape), or GPT's last real token
-  TokenClassificationHead  hidden [B, L, D] -> [B, L, C]
-  SpanExtractionHead       hidden [B, L, D] -> start, end logits [B, L], padding masked
-  label_metrics, span_metrics   cross-entropy + accuracy with weights = (labels >= 0)
-  best_spans               argmax over start <= end < start + max_answer_tokens
+  label_metrics            cross-entropy + accuracy with weights = (labels >= 0)
+
+(Each task type's own head lives in its file under finetune/tasks/.)
 
 Head parameters carry logical axis names like the backbone's (`embed` in, labels
 replicated), so the same sharding rules apply.
@@ -24,13 +23,6 @@ from t5x_like.models import losses
 from t5x_like.models.layers import DenseGeneral, normal_init
 
 Array = jax.Array
-_NEG = -1e9  # masked logits: finite, so a row of padding never makes NaNs
-
-
-def last_token_index(segment_ids_BxT: Array) -> Array:
-  """[B] index of each row's last real token (segment id > 0); 0 for an empty row."""
-  return jnp.maximum(jnp.sum(segment_ids_BxT > 0, axis=1) - 1, 0).astype(jnp.int32)
-
 
 POOLINGS = ("cls", "mean")
 
@@ -77,40 +69,6 @@ class ClassificationHead(nn.Module):
     return logits_BxC.astype(jnp.float32)
 
 
-class TokenClassificationHead(nn.Module):
-  """[B, L, D] -> [B, L, C]: dropout, then a dense D -> C named 'classifier'."""
-
-  num_labels: int
-  dropout_rate: float = 0.1
-  init_std: float = 0.02
-  dtype: jnp.dtype = jnp.float32
-  deterministic: bool = True
-
-  @nn.compact
-  def __call__(self, hidden_BxLxD: Array) -> Array:
-    x = nn.Dropout(self.dropout_rate)(hidden_BxLxD, deterministic=self.deterministic)
-    logits = DenseGeneral(features=(self.num_labels,), axes=("embed", None),
-                          kernel_init=normal_init(self.init_std), dtype=self.dtype,
-                          name="classifier")(x)
-    return logits.astype(jnp.float32)
-
-
-class SpanExtractionHead(nn.Module):
-  """[B, L, D] -> (start [B, L], end [B, L]) logits; positions where valid_BxL is False
-  (padding) get -1e9. One dense D -> 2 named 'span' (BertForQuestionAnswering's qa_outputs)."""
-
-  init_std: float = 0.02
-  dtype: jnp.dtype = jnp.float32
-
-  @nn.compact
-  def __call__(self, hidden_BxLxD: Array, valid_BxL: Array) -> tuple[Array, Array]:
-    logits_BxLx2 = DenseGeneral(features=(2,), axes=("embed", None),
-                                kernel_init=normal_init(self.init_std), dtype=self.dtype,
-                                name="span")(hidden_BxLxD).astype(jnp.float32)
-    logits_BxLx2 = jnp.where(valid_BxL[..., None], logits_BxLx2, _NEG)
-    return logits_BxLx2[..., 0], logits_BxLx2[..., 1]
-
-
 # ------------------------------------------------------------------ losses
 def label_weights(labels: Array) -> Array:
   """1.0 where a label is given (>= 0), 0.0 for -1 (ignored positions, padding rows)."""
@@ -131,31 +89,3 @@ def label_metrics(prefix: str, logits: Array, labels: Array, denominator: Array,
                                            label_smoothing=label_smoothing)
   return losses.token_metrics(prefix, logits, safe, label_weights(labels), per_label,
                               z_term if z_loss else None, denominator)
-
-
-def span_metrics(start_logits_BxL: Array, end_logits_BxL: Array, start_B: Array, end_B: Array,
-                 denominator: Array) -> dict[str, Array]:
-  """BERT's span loss: (start CE + end CE) / 2 as `span_loss`, with the per-end metrics
-  span_start_* / span_end_*; span_exact = both ends right. Rows with start -1 are ignored."""
-  start = label_metrics("span_start", start_logits_BxL, start_B, denominator)
-  end = label_metrics("span_end", end_logits_BxL, end_B, denominator)
-  both = ((jnp.argmax(start_logits_BxL, -1) == start_B)
-          & (jnp.argmax(end_logits_BxL, -1) == end_B)).astype(jnp.float32)
-  out = {**start, **end}
-  out["span_loss"] = 0.5 * (start["span_start_loss"] + end["span_end_loss"])
-  out["span_exact"] = jnp.sum(both * label_weights(start_B)) / denominator
-  return out
-
-
-def best_spans(start_logits_BxL: Array, end_logits_BxL: Array, max_answer_tokens: int = 30
-               ) -> tuple[Array, Array]:
-  """(start [B], end [B]) maximising start + end logits with start <= end <
-  start + max_answer_tokens."""
-  length = start_logits_BxL.shape[1]
-  i = jnp.arange(length)[:, None]
-  j = jnp.arange(length)[None, :]
-  allowed_LxL = (j >= i) & (j < i + max_answer_tokens)
-  scores_BxLxL = start_logits_BxL[:, :, None] + end_logits_BxL[:, None, :]
-  scores_BxLxL = jnp.where(allowed_LxL[None], scores_BxLxL, -jnp.inf)
-  flat = jnp.argmax(scores_BxLxL.reshape(scores_BxLxL.shape[0], -1), axis=-1)
-  return (flat // length).astype(jnp.int32), (flat % length).astype(jnp.int32)

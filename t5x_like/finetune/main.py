@@ -3,7 +3,9 @@
 Fine-tunes the backbone named by config.init on config.task (finetune/defaults.py) and
 prints the final dev metrics. SIGTERM or Ctrl-C saves a checkpoint and stops (exit 0;
 rerun to resume). Exit status 2 on bad input (a bad data row names its file and line),
-1 on a non-finite loss.
+1 on a non-finite loss. Multi-host: every process runs the same command with the
+train command's flags (--num_processes, --process_id, --coordinator_address or
+--distributed=auto).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from t5x_like.command_flags import parse_flags
+from t5x_like.distributed import define_distributed_flags, initialize_distributed
 
 
 def _flags(argv: list[str]) -> flags.FlagValues:
@@ -23,11 +26,13 @@ def _flags(argv: list[str]) -> flags.FlagValues:
                                   flag_values=fv, lock_config=True, sys_argv=argv)
   flags.DEFINE_string("workdir", None, "checkpoints, metrics and dev predictions",
                       flag_values=fv)
+  define_distributed_flags(fv)
   return fv
 
 
 def main(argv: list[str]) -> int:
   fv = parse_flags("finetune", argv, _flags, required=("config", "workdir"), doc=__doc__)
+  initialize_distributed(fv, "finetune")
   from t5x_like.finetune.loop import finetune
   from t5x_like.errors import NonFiniteLossError
   try:  # a UserError (config, rows, backbone, checkpoint) is reported by t5x_like.cli

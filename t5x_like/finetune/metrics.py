@@ -8,6 +8,7 @@
   exact_match(prediction, answers)           max over the gold answers, 0 / 1
   token_f1(prediction, answers)              max over the gold answers of the token F1
   squad_scores(predictions, answers)         {'exact_match', 'f1'} in percent
+  label_scores(predictions, labels)          {"accuracy", "macro_f1"}
 """
 
 from __future__ import annotations
@@ -97,3 +98,8 @@ def squad_scores(predictions: Sequence[str], answers: Sequence[Answers]) -> dict
   em = [exact_match(p, a) for p, a in zip(predictions, answers)]
   f1 = [token_f1(p, a) for p, a in zip(predictions, answers)]
   return {"exact_match": 100.0 * float(np.mean(em)), "f1": 100.0 * float(np.mean(f1))}
+
+
+def label_scores(predictions, labels) -> dict[str, float]:
+  """{'accuracy', 'macro_f1'} over labels >= 0."""
+  return {"accuracy": accuracy(predictions, labels), "macro_f1": macro_f1(predictions, labels)}

@@ -20,7 +20,6 @@ from t5x_like.models.model import Model, build_model
 __all__ = ["CheckpointError", "load", "save"]
 
 _BY_MODEL_TYPE = {"bert": bert, "gpt2": gpt2, "t5": t5}
-_BY_FAMILY = {"encoder": bert, "decoder": gpt2, "encoder_decoder": t5}
 
 
 def load(path: str, **config_overrides) -> tuple[Model, Any]:
@@ -52,7 +51,10 @@ def load(path: str, **config_overrides) -> tuple[Model, Any]:
 def save(model: Model, params: Any, path: str) -> None:
   """Writes `path`/config.json and model.safetensors that transformers' from_pretrained loads."""
   config = model.config
-  family = _BY_FAMILY[config.family]
+  if model.hf_model_type not in _BY_MODEL_TYPE:
+    raise ValueError(f"{type(model).__name__} has no Hugging Face model type to save as"
+                     f" (supported: {sorted(_BY_MODEL_TYPE)})")
+  family = _BY_MODEL_TYPE[model.hf_model_type]
   family.check_config(config)
   tensors = export_params(config, jax.device_get(params), family.spec)
   write_checkpoint(path, family.config_to_hf(config), tensors)

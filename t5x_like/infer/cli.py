@@ -90,11 +90,11 @@ def _fail(message: str) -> int:
   return 2
 
 
-def sequence_limit(config, model_config) -> int:
+def sequence_limit(config, model) -> int:
   """The longest input the model takes: max_position_embeddings for a decoder with
   learned positions, else config.data.length (encoder inputs; trained length)."""
-  if model_config.family == "decoder" and model_config.position_embedding == "learned":
-    return int(model_config.max_position_embeddings)
+  if model.continues_prompt and model.config.position_embedding == "learned":
+    return int(model.config.max_position_embeddings)
   return int(config.data.length)
 
 
@@ -108,14 +108,14 @@ def batch_shards(mesh, rules) -> int:
 # ------------------------------------------------------------------ running modes
 def _run_generate(loaded, items, fv, *, mesh, rules, cap, batch_size):
   """Yields one output row per item: continuations (decoder) or outputs (enc-dec)."""
-  family, vocab = loaded.model.config.family, loaded.vocab
-  if family == "decoder":  # the cache holds the padded prompt + max_new_tokens - 1
+  model, vocab = loaded.model, loaded.vocab
+  if model.continues_prompt:  # the cache holds the padded prompt + max_new_tokens - 1
     cap = cap - fv.max_new_tokens + 1
   sampling = fv.temperature > 0
   for index, (chunk, num_real) in enumerate(requests.chunks(items, batch_size)):
     rng = jax.random.fold_in(jax.random.key(fv.seed), index) if sampling else None
     decoded = infer.generate(
-        loaded.model, loaded.params, requests.generate_features(chunk, family, cap),
+        model, loaded.params, requests.generate_features(chunk, model, cap),
         max_new_tokens=fv.max_new_tokens, rng=rng, mesh=mesh, rules=rules,
         num_beams=fv.num_beams, eos_id=vocab.eos_id, pad_id=vocab.pad_id,
         temperature=fv.temperature, top_k=fv.top_k or 0, top_p=fv.top_p,
@@ -128,10 +128,10 @@ def _run_generate(loaded, items, fv, *, mesh, rules, cap, batch_size):
 def _run_score(loaded, items, fv, *, mesh, rules, cap, batch_size):
   """Yields one {"log_likelihood", "num_tokens"} row per item."""
   del fv
-  family = loaded.model.config.family
+  model = loaded.model
   for chunk, num_real in requests.chunks(items, batch_size):
-    scores = infer.score(loaded.model, loaded.params,
-                         requests.score_features(chunk, family, cap), mesh=mesh, rules=rules)
+    scores = infer.score(model, loaded.params, requests.score_features(chunk, model, cap),
+                         mesh=mesh, rules=rules)
     log_likelihood = jax.device_get(scores["log_likelihood"])
     for item, value in list(zip(chunk, log_likelihood))[:num_real]:
       yield requests.score_row(item.row, value, len(item.target_ids))
@@ -159,19 +159,19 @@ def _run_fill_mask(loaded, items, fv, *, mesh, rules, cap, batch_size):
 
 
 # ------------------------------------------------------------------ main
-def _check_settings(fv, family: str, cap: int) -> str | None:
-  """What is wrong with the flags for this family (longest input: cap), or None."""
+def _check_settings(fv, model, cap: int) -> str | None:
+  """What is wrong with the flags for this model's family (longest input: cap), or None."""
   if fv.batch_size < 1:
     return "--batch_size must be >= 1"
-  if family == "encoder" and fv.mode == "score":
+  if model.fills_masks and fv.mode == "score":
     return ("--mode score: the encoder family (BERT) does not score sequences; its"
             " generate mode fills [MASK]s")
-  if family == "encoder":
+  if model.fills_masks:
     too_few = fv.top_k is not None and fv.top_k < 1
     return "--top_k must be >= 1 for fill-mask" if too_few else None
   if fv.max_new_tokens < 1 or fv.num_beams < 1:
     return "--max_new_tokens and --num_beams must be >= 1"
-  if family == "decoder" and fv.mode == "generate" and fv.max_new_tokens > cap - 1:
+  if model.continues_prompt and fv.mode == "generate" and fv.max_new_tokens > cap - 1:
     return (f"--max_new_tokens={fv.max_new_tokens} leaves no room for a prompt: the model"
             f" takes {cap} positions")
   if fv.num_beams > 1 and fv.temperature > 0:
@@ -212,15 +212,15 @@ def main(argv: list[str]) -> int:
   config = fv.config
   try:
     vocab = config_vocab(config)
-    model_config = build_model_from_config(config, vocab.vocab_size).config
-    cap = sequence_limit(config, model_config)
-    problem = _check_settings(fv, model_config.family, cap)
+    model = build_model_from_config(config, vocab.vocab_size)
+    cap = sequence_limit(config, model)
+    problem = _check_settings(fv, model, cap)
     if problem:
       return _fail(problem)
     rows = requests.read_rows(fv.input, fv.field,
                               fv.target_field if fv.mode == "score" else None)
     items, truncated = requests.encode_rows(
-        rows, vocab, model_config.family, fv.mode, limit=cap,
+        rows, vocab, model, fv.mode, limit=cap,
         max_new_tokens=fv.max_new_tokens, source="<stdin>" if fv.input == "-" else fv.input)
   except (requests.InputError, ValueError) as e:
     return _fail(str(e))
@@ -244,8 +244,10 @@ def _infer(fv, config, items, cap: int) -> int:
   batch_size = shards * math.ceil(fv.batch_size / shards)
   _info(f"{family} model, checkpoint step {loaded.step} ({time.time() - start:.1f} s);"
         f" {len(items)} row(s), batch {batch_size}")
-  run = {"encoder": _run_fill_mask}.get(family) or (
-      _run_score if fv.mode == "score" else _run_generate)
+  if loaded.model.fills_masks:
+    run = _run_fill_mask
+  else:
+    run = _run_score if fv.mode == "score" else _run_generate
   written = _write(run(loaded, items, fv, mesh=mesh, rules=rules, cap=cap,
                        batch_size=batch_size), fv.output)
   _info(f"wrote {written} row(s) to {fv.output if fv.output != '-' else 'stdout'}"

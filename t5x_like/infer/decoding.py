@@ -2,7 +2,7 @@
 
   generate(model, params, batch, max_new_tokens=..., ...) -> Decoded(tokens [B, N], scores [B])
 
-batch (models/model.py feature names):
+batch (models/model.py feature names; each family's `stepper` reads its part):
   decoder-only:     decoder_input_tokens [B, P], prompts padded on the RIGHT; their
                     lengths from decoder_segment_ids [B, P] (> 0 on real tokens) when
                     given, else every row is P long (GPT-2's id 0 is a real token).
@@ -28,7 +28,6 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from t5x_like import parallel
-from t5x_like.infer import steppers
 from t5x_like.infer.beam import beam_search, early_stopping_code
 from t5x_like.infer.sharding import hashable_rules
 from t5x_like.infer.search import Decoded, temperature_sample
@@ -71,33 +70,12 @@ class DecodeConfig:
     early_stopping_code(self.early_stopping)  # raises on anything but False, True, "never"
 
 
-def prompt_lengths(batch: Mapping[str, Array]) -> Array:
-  """[B] real-token counts of right-padded decoder prompts (see the module docstring)."""
-  tokens = batch["decoder_input_tokens"]
-  segments = batch.get("decoder_segment_ids")
-  if segments is None:
-    return jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)
-  return jnp.sum(jnp.asarray(segments) > 0, axis=1).astype(jnp.int32)
-
-
-def _stepper(model, params, batch, cfg: DecodeConfig) -> steppers.Stepper:
-  family = model.config.family
-  rows = cfg.num_beams
-  if family == "decoder":
-    return steppers.decoder_only(model, params, batch["decoder_input_tokens"],
-                                 prompt_lengths(batch), max_new_tokens=cfg.max_new_tokens,
-                                 rows_per_example=rows, pad_id=cfg.pad_id)
-  if family == "encoder_decoder":
-    return steppers.encoder_decoder(model, params, batch["encoder_input_tokens"],
-                                    max_new_tokens=cfg.max_new_tokens, rows_per_example=rows,
-                                    decoder_start_id=cfg.decoder_start_id)
-  raise ValueError(f"model family {family!r} does not generate")
-
-
 @functools.partial(jax.jit, static_argnames=("model", "cfg", "mesh", "rules"))
 def _generate(model, params, batch, rng, scalars, *, cfg: DecodeConfig, mesh, rules) -> Decoded:
   with parallel.traced_rules(mesh, rules):
-    stepper = _stepper(model, params, batch, cfg)
+    stepper = model.stepper(params, batch, max_new_tokens=cfg.max_new_tokens,
+                            rows_per_example=cfg.num_beams, pad_id=cfg.pad_id,
+                            decoder_start_id=cfg.decoder_start_id)
     if cfg.num_beams > 1:
       return beam_search(stepper.first_token_B, stepper.state, stepper.step_fn,
                          stepper.batch_axes, num_beams=cfg.num_beams,
@@ -125,6 +103,8 @@ def generate(model, params: Any, batch: Mapping[str, Array], *, max_new_tokens: 
   cfg = DecodeConfig(max_new_tokens=max_new_tokens, **settings)
   if cfg.num_beams > 1 and rng is not None:
     raise ValueError("beam search does not sample: pass rng=None with num_beams > 1")
+  if not model.generates:
+    raise ValueError(f"model family {model.config.family!r} does not generate")
   features = {k: jnp.asarray(v) for k, v in batch.items() if k in _FEATURES}
   # Traced, so that changing them does not recompile.
   scalars = {"eos_id": jnp.asarray(-1 if cfg.eos_id is None else cfg.eos_id, jnp.int32),

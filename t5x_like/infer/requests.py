@@ -1,10 +1,12 @@
 """The pure side of `t5x-like infer`: JSONL rows in, model features, JSON rows out.
 
   rows = read_rows("in.jsonl", field="text")             # InputError: "in.jsonl:3: ..."
-  items, truncated = encode_rows(rows, vocab, family, mode, limit=..., max_new_tokens=...)
+  items, truncated = encode_rows(rows, vocab, model, mode, limit=..., max_new_tokens=...)
   for chunk, num_real in chunks(items, batch_size): features = *_features(chunk, ...)
 
-Per family and mode, the ids of an Item follow the training layout of that family:
+`model` is a t5x_like model (or its class); its family's flags pick the layout
+(fills_masks: BERT; continues_prompt: the decoder-only family; neither: T5). Per
+family and mode, the ids of an Item follow the training layout of that family:
   decoder, generate:  ids = BOS 0, prompt    (causal_lm rows start with the input 0)
   decoder, score:     ids = BOS 0, prompt;   target_ids = target (no eos)
   enc-dec, both:      ids = input, EOS       (span corruption inputs end with EOS);
@@ -140,20 +142,20 @@ def _decoder_item(row: Row, vocab, mode: str, *, limit: int, max_new_tokens: int
   return Item(row, ids, target), False
 
 
-def encode_rows(rows: Sequence[Row], vocab, family: str, mode: str, *, limit: int,
+def encode_rows(rows: Sequence[Row], vocab, model, mode: str, *, limit: int,
                 max_new_tokens: int = 1, source: str = "input") -> tuple[list[Item], list[int]]:
   """(items, lines of the truncated inputs). limit: the longest model input (decoder:
   prompt + generated tokens or prompt + target; encoders: the encoder input)."""
   items, truncated = [], []
   for row in rows:
     where = f"{source}:{row.line}"
-    if family == "encoder":
+    if model.fills_masks:
       item, cut = _encoder_item(row, vocab, limit=limit, where=where)
-    elif family == "encoder_decoder":
-      item, cut = _encoder_decoder_item(row, vocab, mode, limit=limit)
-    else:
+    elif model.continues_prompt:
       item, cut = _decoder_item(row, vocab, mode, limit=limit,
                                 max_new_tokens=max_new_tokens, where=where)
+    else:
+      item, cut = _encoder_decoder_item(row, vocab, mode, limit=limit)
     items.append(item)
     if cut:
       truncated.append(row.line)
@@ -186,18 +188,18 @@ def right_pad(seqs: Sequence[np.ndarray], width: int, pad_id: int = 0
   return tokens, valid
 
 
-def generate_features(chunk: Sequence[Item], family: str, cap: Optional[int]) -> dict:
+def generate_features(chunk: Sequence[Item], model, cap: Optional[int]) -> dict:
   """Decoder: right-padded prompts + decoder_segment_ids; enc-dec: encoder_input_tokens."""
   tokens, valid = right_pad([i.ids for i in chunk],
                             bucket_width(max(len(i.ids) for i in chunk), cap))
-  if family == "decoder":
+  if model.continues_prompt:
     return {"decoder_input_tokens": tokens, "decoder_segment_ids": valid}
   return {"encoder_input_tokens": tokens}
 
 
-def score_features(chunk: Sequence[Item], family: str, cap: Optional[int]) -> dict:
+def score_features(chunk: Sequence[Item], model, cap: Optional[int]) -> dict:
   """Teacher-forcing features (targets shifted right, weights on the scored tokens)."""
-  if family == "decoder":  # one sequence BOS prompt target; only target tokens count
+  if model.continues_prompt:  # one sequence BOS prompt target; only target tokens count
     seqs = [np.concatenate([i.ids, i.target_ids]) for i in chunk]
     inputs = [s[:-1] for s in seqs]
     weights = [(np.arange(len(s) - 1) >= len(i.ids) - 1).astype(np.int32)
@@ -210,7 +212,7 @@ def score_features(chunk: Sequence[Item], family: str, cap: Optional[int]) -> di
   targets = [i.target_ids for i in chunk]
   width = bucket_width(max(len(t) for t in targets))
   target_tokens, weights = right_pad(targets, width)
-  return {"encoder_input_tokens": generate_features(chunk, family, cap)["encoder_input_tokens"],
+  return {"encoder_input_tokens": generate_features(chunk, model, cap)["encoder_input_tokens"],
           "decoder_input_tokens": right_pad([np.append(BOS_ID, t[:-1]) for t in targets],
                                             width)[0],
           "decoder_target_tokens": target_tokens, "decoder_loss_weights": weights}

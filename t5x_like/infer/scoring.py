@@ -56,7 +56,7 @@ def _score(model, params, batch, *, mesh, rules) -> dict[str, Array]:
 def score(model, params: Any, batch: Mapping[str, Array], *, mesh: Optional[Mesh] = None,
           rules=parallel.DEFAULT_RULES) -> dict[str, Array]:
   """Log-likelihood of batch['decoder_target_tokens'], per token [B, T] and summed [B]."""
-  if model.config.family not in ("decoder", "encoder_decoder"):
+  if not model.scores:
     raise ValueError(f"model family {model.config.family!r} does not score sequences")
   features = {k: jnp.asarray(v) for k, v in batch.items() if v is not None}
   return _score(model, params, features, mesh=mesh, rules=hashable_rules(rules))

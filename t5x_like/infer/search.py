@@ -1,7 +1,7 @@
 """Greedy decoding and sampling: one token per row per step, in a lax.while_loop.
 
 The loop is generic over the decoding state: `step_fn(state, token_B) -> (logits_BxV,
-state)` feeds one token per row and returns the next-token logits (t5x_like.infer.steppers
+state)` feeds one token per row and returns the next-token logits (t5x_like.models.steppers
 builds it on the KV cache; a test can build it from full forwards). Rows stop at eos
 and are padded after it; the loop ends when every row has stopped or after
 max_new_tokens tokens.

@@ -8,7 +8,9 @@ Batches are dicts of int arrays named as in T5X/seqio (encoder_input_tokens,
 decoder_input_tokens, decoder_target_tokens, decoder_loss_weights, *_segment_ids,
 *_positions) plus BERT's encoder_type_ids, mlm_positions, mlm_targets, mlm_weights and
 nsp_labels. Generation and scoring of the decoder and encoder-decoder families are
-t5x_like.infer.predict / score (infer builds on the models, not the other way).
+t5x_like.infer.predict / score (infer builds on the models, not the other way); each
+family says here what infer, bench and hf may ask of it (`generates`, `stepper`,
+`hf_model_type`, ...).
 
 The trainer never touches the module; `param_axes` gives the logical axis names of
 every parameter for sharding.
@@ -24,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5x_like.models import cost, losses
+from t5x_like.models import cost, losses, steppers
 from t5x_like.models.config import ModelConfig
 from t5x_like.models.families import DecoderModule, EncoderDecoderModule, EncoderModule
 
@@ -45,6 +47,37 @@ class Model:
   """Base class; subclasses set the module and the loss."""
 
   module_class: type[nn.Module]
+
+  # What infer, bench and hf may ask of the family.
+  generates = False  # infer.generate / predict decode it on the KV cache (`stepper`)
+  scores = False  # infer.score: log-likelihood of decoder_target_tokens
+  fills_masks = False  # infer's fill-mask mode: the likeliest tokens at mlm_positions
+  continues_prompt = False  # generation continues the prompt (shared positions and cache)
+  hf_model_type: Optional[str] = None  # Hugging Face config.json model_type (t5x_like.hf)
+
+  # What fine-tuning (t5x_like.finetune) asks of the family.
+  finetune_inputs: tuple[str, ...] = ()  # the input features of a fine-tuning batch
+  finetunes_text_to_text = False  # trains the whole model on label strings (no head)
+
+  @classmethod
+  def finetune_config(cls, config: ModelConfig) -> ModelConfig:
+    """The config of the fine-tuning backbone (without unused pretraining heads)."""
+    return config
+
+  @classmethod
+  def hidden_states_module(cls, config: ModelConfig, *, deterministic: bool) -> nn.Module:
+    """The backbone module of fine-tuning (hidden_states reads it)."""
+    return cls.module_class(config, deterministic=deterministic)
+
+  @staticmethod
+  def hidden_states(module: nn.Module, batch) -> tuple[Array, Array]:
+    """(final hidden states [B, L, D], real-token mask [B, L]) for a task's head."""
+    raise NotImplementedError
+
+  @staticmethod
+  def summary_index(valid_BxL: Array) -> Optional[Array]:
+    """[B] the position a head reads one row's summary from; None: position 0 ([CLS])."""
+    return None
 
   def __init__(self, config: ModelConfig):
     self.config = config
@@ -114,6 +147,18 @@ class EncoderModel(Model):
 
   module_class = EncoderModule
   stack_fields = {"encoder": "num_layers"}
+  fills_masks = True
+  hf_model_type = "bert"
+  finetune_inputs = ("encoder_input_tokens", "encoder_type_ids")
+
+  @classmethod
+  def finetune_config(cls, config):
+    return config.replace(mlm_head=False, nsp_head=False)
+
+  @staticmethod
+  def hidden_states(module, batch):
+    tokens, segments = batch["encoder_input_tokens"], batch.get("encoder_segment_ids")
+    return module(batch)["hidden"], (tokens > 0 if segments is None else segments > 0)
 
   @classmethod
   def logits_rows(cls, config, batch_shapes):
@@ -191,6 +236,8 @@ class EncoderModel(Model):
 class _SequenceModel(Model):
   """Shared loss, decoding and scoring for models whose output is [B, T, V] decoder logits."""
 
+  generates = scores = True
+
   def loss_normalizers(self, batch) -> dict[str, Array]:
     """Denominator of the loss over `batch`: sum(decoder_loss_weights)."""
     weights = batch.get("decoder_loss_weights")
@@ -218,6 +265,17 @@ class _SequenceModel(Model):
   # ------------------------------------------------------------- inference
   default_eos_id: Optional[int] = None  # eos of infer.predict() unless given
 
+  def stepper(self, params: Params, batch: Mapping[str, Array], *, max_new_tokens: int,
+              rows_per_example: int = 1, pad_id: int = 0,
+              decoder_start_id: int = 0) -> steppers.Stepper:
+    """The incremental decoder of `batch` on the KV cache (infer.generate's layout)."""
+    raise NotImplementedError
+
+  def decode_step(self, params: Params, batch_shapes: Mapping[str, Any]) -> steppers.CachedStep:
+    """One cached decoding step for a batch of the training `batch_shapes`: the cache
+    has the decoder length's slots (T5: over encoder outputs of the encoder length)."""
+    raise NotImplementedError
+
 
 class DecoderModel(_SequenceModel):
   """GPT-2. logits() -> [B, T, V] next-token logits of decoder_input_tokens.
@@ -228,6 +286,24 @@ class DecoderModel(_SequenceModel):
 
   module_class = DecoderModule
   stack_fields = {"decoder": "num_layers"}
+  continues_prompt = True
+  hf_model_type = "gpt2"
+  finetune_inputs = ("decoder_input_tokens", "decoder_segment_ids")
+
+  @classmethod
+  def hidden_states_module(cls, config, *, deterministic):
+    return DecoderModule(config, return_hidden=True, deterministic=deterministic)
+
+  @staticmethod
+  def hidden_states(module, batch):
+    tokens, segments = batch["decoder_input_tokens"], batch.get("decoder_segment_ids")
+    valid = jnp.ones(tokens.shape, bool) if segments is None else segments > 0
+    return module(batch), valid
+
+  @staticmethod
+  def summary_index(valid_BxL):
+    """Each row's last real token (0 for an empty row)."""
+    return jnp.maximum(jnp.sum(valid_BxL, axis=1) - 1, 0).astype(jnp.int32)
 
   def example_batch_shapes(self, batch: int = 2, length: int = 8) -> dict[str, tuple]:
     return {"decoder_input_tokens": (batch, length)}
@@ -237,6 +313,18 @@ class DecoderModel(_SequenceModel):
     b, t = cost.batch_length(batch_shapes, "decoder_input_tokens")
     return cost.decoder_stack(config, b, t, config.num_layers)
 
+  def stepper(self, params, batch, *, max_new_tokens, rows_per_example=1, pad_id=0,
+              decoder_start_id=0):
+    """Continues right-padded decoder_input_tokens [B, P] (steppers.prompt_lengths)."""
+    del decoder_start_id  # the prompt's last token is fed first
+    return steppers.decoder_only(self, params, batch["decoder_input_tokens"],
+                                 steppers.prompt_lengths(batch), max_new_tokens=max_new_tokens,
+                                 rows_per_example=rows_per_example, pad_id=pad_id)
+
+  def decode_step(self, params, batch_shapes):
+    del params  # the step takes them
+    return steppers.decoder_only_step(self, batch_shapes["decoder_input_tokens"][1])
+
 
 class EncoderDecoderModel(_SequenceModel):
   """T5. logits() -> [B, T, V] decoder logits given encoder and decoder inputs."""
@@ -244,6 +332,9 @@ class EncoderDecoderModel(_SequenceModel):
   module_class = EncoderDecoderModule
   stack_fields = {"encoder": "num_layers", "decoder": "num_decoder_layers"}
   default_eos_id = 1  # T5's </s>; decoding starts from the pad id 0
+  hf_model_type = "t5"
+  finetune_inputs = ("encoder_input_tokens", "decoder_input_tokens")
+  finetunes_text_to_text = True
 
   def example_batch_shapes(self, batch: int = 2, length: int = 8) -> dict[str, tuple]:
     return {"encoder_input_tokens": (batch, length), "decoder_input_tokens": (batch, length)}
@@ -254,6 +345,21 @@ class EncoderDecoderModel(_SequenceModel):
     _, t = cost.batch_length(batch_shapes, "decoder_input_tokens")
     return cost.add(cost.encoder_stack(config, b, length),
                     cost.decoder_stack(config, b, t, config.decoder_layers, length))
+
+  def stepper(self, params, batch, *, max_new_tokens, rows_per_example=1, pad_id=0,
+              decoder_start_id=0):
+    """Decodes from decoder_start_id over encoder_input_tokens [B, L] (0 = padding)."""
+    del pad_id  # the outputs' padding is the search's
+    return steppers.encoder_decoder(self, params, batch["encoder_input_tokens"],
+                                    max_new_tokens=max_new_tokens,
+                                    rows_per_example=rows_per_example,
+                                    decoder_start_id=decoder_start_id)
+
+  def decode_step(self, params, batch_shapes):
+    """Over encoder inputs of ones (the tokens do not change the step time)."""
+    encoder_tokens_BxL = jnp.ones(batch_shapes["encoder_input_tokens"][:2], jnp.int32)
+    return steppers.encoder_decoder_step(self, params, encoder_tokens_BxL,
+                                         batch_shapes["decoder_input_tokens"][1])
 
 
 MODEL_CLASSES = {

@@ -33,8 +33,10 @@ COMPILE_CHOICES = ("auto", "yes", "no")
 
 def _model_json(config, model) -> dict:
   cfg = model.config
+  # The layers beyond num_layers: T5's decoder stack, 0 for the one-stack families.
+  decoder_layers = sum(model.stack_layers(cfg).values()) - cfg.num_layers
   return {"preset": config.model.preset, "family": cfg.family, "layers": cfg.num_layers,
-          "decoder_layers": cfg.decoder_layers if cfg.family == "encoder_decoder" else 0,
+          "decoder_layers": decoder_layers,
           "d_model": cfg.d_model, "heads": cfg.num_heads, "kv_heads": cfg.kv_heads,
           "d_ff": cfg.d_ff, "vocab_size": cfg.vocab_size, "dtype": cfg.dtype,
           "remat_policy": cfg.remat_policy, "scan_layers": cfg.scan_layers}

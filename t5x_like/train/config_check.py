@@ -28,6 +28,7 @@ from t5x_like.errors import UserError
 from t5x_like.experiment import phase_configs
 from t5x_like.models import build_model
 from t5x_like.models.config import DTYPES, PRESETS, REMAT_POLICIES, ModelConfig, preset
+from t5x_like.models.model import MODEL_CLASSES
 from t5x_like.parallel.mesh import MESH_AXES, config_axis_sizes
 from t5x_like.train.defaults import default_config
 from t5x_like.train.optimizers import OPTIMIZERS, SCHEDULES
@@ -273,8 +274,7 @@ def _check_activation_memory(config, model_cfg: ModelConfig, mesh: dict[str, int
       (f"train.phases[{i}].length", int(dict(p).get("length", config.data.length)))
       for i, p in enumerate(config.train.phases or ())]
   name, length = max(lengths, key=lambda x: x[1])
-  layers = model_cfg.num_layers + (model_cfg.decoder_layers
-                                   if model_cfg.family == "encoder_decoder" else 0)
+  layers = sum(MODEL_CLASSES[model_cfg.family].stack_layers(model_cfg).values())
   width = 2 if model_cfg.dtype == "bfloat16" else 4
   residual = rows * length * model_cfg.d_model * width * layers
   scores = rows * max(1, model_cfg.num_heads // mesh["tensor"]) * length * length * 4

@@ -10,15 +10,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
 from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 
 from t5x_like.data.loader import make_loader
-from t5x_like.errors import NonFiniteLossError
 from t5x_like.experiment import (build_data, build_model_from_config, config_vocab,
                                  global_batch_shapes, phase_configs)
 from t5x_like.fs import resolve_path
@@ -30,7 +27,8 @@ from t5x_like.train.metrics import (MetricWriter, perplexity, read_jsonl,
                                     summarize_train_metrics)
 from t5x_like.train.optimizers import make_optimizer
 from t5x_like.train.preemption import Preemption, RunResult
-from t5x_like.train.prefetch import DevicePrefetcher
+from t5x_like.train.runner import (StepLoop, device_batches, restore_or_create, run_files,
+                                   run_steps)
 from t5x_like.train.setup_guard import undo_on_user_error
 from t5x_like.train.state import abstract_train_state, create_train_state
 from t5x_like.train.step import make_eval_step, make_train_step
@@ -48,10 +46,6 @@ def _last_eval(jsonl_path: str) -> dict:
     if evals:
       return evals
   return {}
-
-
-def _is_finite(metrics: dict) -> bool:
-  return bool(np.isfinite(float(metrics["loss"])))
 
 
 # =============================================================================== train
@@ -90,43 +84,31 @@ def _train(config, workdir: str, is_main: bool, setup) -> RunResult:
 
   # ----------------------------------------------------------- state, resume
   rng = jax.random.key(config.seed)
-  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=tc.keep_checkpoints,
-                              async_save=tc.async_checkpoints)
-  writer = MetricWriter(workdir, total_steps=tc.num_steps, is_main_process=is_main)
-  try:
+  with run_files(workdir, total_steps=tc.num_steps, keep=tc.keep_checkpoints,
+                 async_save=tc.async_checkpoints) as (checkpointer, writer):
     abstract = abstract_train_state(model, optimizer, mesh, rules, batch_shapes)
-    restored = checkpointer.restore_latest(abstract)
-    setup.done()  # from here on, the workdir holds a run: never undone
+    start = restore_or_create(
+        checkpointer, abstract, lambda: create_train_state(
+            model, optimizer, mesh, rules, batch_shapes, jax.random.fold_in(rng, 1)), setup)
     writer.log(f"model {config.model.preset}: {model.num_params():,} params; mesh"
                f" {dict(mesh.shape)}; {jax.process_count()} process(es); data"
                f" {json.dumps({k: v for k, v in data_stats.items() if k != 'source'})};"
                f" bad input {json.dumps(data_stats.get('source', {}))}")
     data_state = None
-    if restored is None:
-      state, state_shardings = create_train_state(model, optimizer, mesh, rules,
-                                                  batch_shapes, jax.random.fold_in(rng, 1))
-      step = 0
+    if start.extra is None:
       writer.truncate_after(0)  # rows of a run killed before its first checkpoint
     else:
-      step, state, extra = restored
-      state_shardings = jax.tree.map(lambda x: x.sharding, abstract)
-      data_state = extra["data"], extra.get("phase", 0)
-      if step >= tc.num_steps:
-        writer.log(f"{workdir}: the run already finished at step {step}")
-        return RunResult(_last_eval(writer.jsonl_path), step, "already_finished")
-      writer.truncate_after(step)  # rows of steps after it are about to be redone
-      writer.log(f"resumed from step {step}")
-    return _run_phases(config, phases, step, state, data_state, _Run(
-        model, optimizer, schedule, mesh, rules, rng, state_shardings, checkpointer, writer,
+      data_state = start.extra["data"], start.extra.get("phase", 0)
+      if start.step >= tc.num_steps:
+        writer.log(f"{workdir}: the run already finished at step {start.step}")
+        return RunResult(_last_eval(writer.jsonl_path), start.step, "already_finished")
+      writer.truncate_after(start.step)  # rows of steps after it are about to be redone
+      writer.log(f"resumed from step {start.step}")
+    return _run_phases(config, phases, start.step, start.state, data_state, _Run(
+        model, optimizer, schedule, mesh, rules, rng, start.shardings, checkpointer, writer,
         Preemption(), flops_lib.peak_flops_per_device(jax.devices()[0],
                                                       dtype=model.config.dtype)),
                        objective, eval_objective, batch_shapes, workdir)
-  finally:
-    try:
-      checkpointer.wait()
-      checkpointer.close()
-    finally:
-      writer.close()
 
 
 def _run_phases(config, phases, step: int, state, data_state, run: "_Run", objective,
@@ -146,9 +128,9 @@ def _run_phases(config, phases, step: int, state, data_state, run: "_Run", objec
       # A checkpoint saved inside this phase carries its iterator; one saved at the
       # previous phase's end carries that phase's, which a new phase does not continue.
       resume_data = data_state[0] if data_state and data_state[1] == phase else None
-      step, state, eval_metrics, stopped = _run_phase(
-          run, phase_config, phase, until_step, step, state, objective, eval_objective,
-          batch_shapes, resume_data)
+      step, state, eval_metrics, stopped = run_steps(
+          _phase_loop(run, phase_config, phase, objective, eval_objective, batch_shapes,
+                      resume_data), state, step, until_step)
       data_state = None
       if stopped:
         return RunResult(eval_metrics, step, "stopped")
@@ -173,19 +155,11 @@ class _Run:
   peak_flops_per_device: float
 
 
-def _run_phase(run: _Run, config, phase: int, until_step: int, step: int, state, objective,
-               eval_objective, batch_shapes, resume_data):
-  """Steps from `step` to `until_step` on one phase's data; (step, state, eval metrics,
-  stopped by SIGTERM)."""
+def _phase_loop(run: _Run, config, phase: int, objective, eval_objective, batch_shapes,
+                resume_data) -> StepLoop:
+  """The StepLoop of one phase: its data, steps, train rows and evaluation."""
   tc = config.train
-  model, mesh, rules, rng = run.model, run.mesh, run.rules, run.rng
-  checkpointer, writer = run.checkpointer, run.writer
-  loader = make_loader(objective, tc.batch_size, seed=config.seed + 1000 * phase,
-                       num_workers=config.data.num_workers)
-  host_batches = iter(loader)
-  if resume_data is not None:
-    host_batches.set_state(resume_data)
-  batches = DevicePrefetcher(host_batches, lambda b: shard_batch(b, mesh, rules))
+  model, mesh, rules = run.model, run.mesh, run.rules
   train_step = make_train_step(model, run.optimizer, run.schedule,
                                microbatches=tc.microbatches, mesh=mesh, rules=rules,
                                state_shardings=run.state_shardings, batch_shapes=batch_shapes)
@@ -194,7 +168,7 @@ def _run_phase(run: _Run, config, phase: int, until_step: int, step: int, state,
   flops_per_step = flops_lib.train_flops_per_step(model.config, batch_shapes)
   tokens_per_step = tc.batch_size * config.data.length
 
-  def evaluate(step: int) -> dict:
+  def evaluate(state, step: int) -> dict:
     eval_batches = iter(make_loader(eval_objective, tc.batch_size, seed=config.seed + 1))
     sums: dict[str, float] = {}
     for _ in range(tc.eval_batches):
@@ -207,45 +181,19 @@ def _run_phase(run: _Run, config, phase: int, until_step: int, step: int, state,
     if ppl is not None:
       means["perplexity"] = ppl
     result = {f"eval_{k}": v for k, v in means.items()}
-    writer.write_scalars(step, result)
+    run.writer.write_scalars(step, result)
     return result
 
-  def save(step: int, force: bool = False):
-    writer.flush()  # a remote metrics file holds every row its checkpoint has seen
-    checkpointer.save(step, state, {"data": batches.get_state(), "phase": phase}, force=force)
+  def scalars(metrics, step: int, seconds: float) -> dict:
+    return summarize_train_metrics(
+        metrics, step_seconds=seconds, tokens_per_step=tokens_per_step,
+        flops_per_step=flops_per_step, num_devices=jax.device_count(),
+        peak_per_device=run.peak_flops_per_device)
 
-  eval_metrics: dict = {}
-  interval_start, interval_steps = time.perf_counter(), 0
-  while step < until_step:
-    state, metrics = train_step(state, next(batches), rng)
-    step += 1
-    interval_steps += 1
-    at_checkpoint = tc.checkpoint_every and step % tc.checkpoint_every == 0
-    if step % tc.log_every == 0 or at_checkpoint or step == until_step:
-      metrics = jax.device_get(metrics)
-      if not _is_finite(metrics):
-        raise NonFiniteLossError(
-            f"non-finite loss {float(metrics['loss'])} at step {step}; stopping. The last"
-            f" good checkpoint is step {checkpointer.latest_step()}")
-      seconds = (time.perf_counter() - interval_start) / interval_steps
-      scalars = summarize_train_metrics(
-          metrics, step_seconds=seconds, tokens_per_step=tokens_per_step,
-          flops_per_step=flops_per_step, num_devices=jax.device_count(),
-          peak_per_device=run.peak_flops_per_device)
-      writer.write_scalars(step, scalars)
-      writer.progress(step, scalars["loss"])
-      interval_start, interval_steps = time.perf_counter(), 0
-    if at_checkpoint:
-      save(step)
-    if tc.eval_every and step % tc.eval_every == 0:
-      eval_metrics = evaluate(step)
-    if run.preemption.requested:
-      writer.log(f"{run.preemption.requested}: saving a checkpoint at step {step} and"
-                 " stopping; rerun the same command to resume")
-      save(step, force=True)
-      return step, state, eval_metrics, True
-  if checkpointer.latest_step() != step:
-    save(step, force=True)  # the phase's end: the next phase (or a rerun) resumes here
-  if not eval_metrics or not tc.eval_every or step % tc.eval_every:
-    eval_metrics = evaluate(step)
-  return step, state, eval_metrics, False
+  batches = device_batches(objective, tc.batch_size, seed=config.seed + 1000 * phase,
+                           mesh=mesh, rules=rules, data_state=resume_data,
+                           num_workers=config.data.num_workers)
+  return StepLoop(train_step, batches, run.rng, run.checkpointer, run.writer, run.preemption,
+                  evaluate, scalars, log_every=tc.log_every,
+                  checkpoint_every=tc.checkpoint_every, eval_every=tc.eval_every,
+                  checkpoint_extra=lambda: {"phase": phase})

@@ -1,0 +1,81 @@
+"""Multi-host start-up shared by the commands that train (`train`, `finetune`).
+
+Every process runs the same command; with --num_processes > 1 they meet at
+--coordinator_address (jax.distributed), or --distributed=auto lets jax detect the
+cluster (Cloud TPU pods, SLURM).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+from absl import flags
+
+from t5x_like.command_flags import FlagError
+
+
+def define_distributed_flags(fv: flags.FlagValues) -> None:
+  """--coordinator_address, --num_processes, --process_id, --distributed, --init_timeout."""
+  flags.DEFINE_string("coordinator_address", None, "host:port of process 0", flag_values=fv)
+  flags.DEFINE_integer("num_processes", 1, "processes in a multi-host run", flag_values=fv)
+  flags.DEFINE_integer("process_id", 0, "this process (0 .. num_processes-1)", flag_values=fv)
+  flags.DEFINE_enum("distributed", "flags", ["flags", "auto"],
+                    "flags: initialise only when --num_processes > 1; auto: let jax detect",
+                    flag_values=fv)
+  flags.DEFINE_integer("init_timeout", 300, "seconds to wait for every process of a"
+                       " multi-host run to connect before giving up", flag_values=fv)
+
+
+class _StartWatchdog:
+  """Exits with a clear message when jax.distributed.initialize does not return in time.
+
+  A multi-host run started on only some workers would otherwise block (process 0 waits
+  for the missing ones; the others wait for process 0) and then abort in C++ with a bare
+  DEADLINE_EXCEEDED; this fires first and says what is wrong.
+  """
+
+  def __init__(self, timeout_s: float, describe: str, command: str):
+    self._command = command
+    self._done = threading.Event()
+    self._timeout_s, self._describe = timeout_s, describe
+    self._thread = threading.Thread(target=self._watch, daemon=True)
+    self._thread.start()
+
+  def _watch(self) -> None:
+    if not self._done.wait(self._timeout_s):
+      print(f"t5x-like {self._command}: {self._describe} did not all connect within"
+            f" {self._timeout_s:.0f} s (--init_timeout). A multi-host run must be started on"
+            " every worker (e.g. `launch/tpu.sh run` uses --worker=all): check that all"
+            " workers are running the same command and can reach the coordinator.",
+            file=sys.stderr, flush=True)
+      os._exit(3)
+
+  def done(self) -> None:
+    self._done.set()
+
+
+def initialize_distributed(fv: flags.FlagValues, command: str) -> None:
+  """jax.distributed.initialize for multi-process runs (CPU processes use gloo)."""
+  import jax
+  # jax's own timeout (which aborts the process) is set past the watchdog's.
+  jax_timeout = int(fv.init_timeout) + 60
+  if fv.distributed == "auto":
+    watchdog = _StartWatchdog(fv.init_timeout, "the hosts of this cluster (auto-detected)",
+                               command)
+    jax.distributed.initialize(initialization_timeout=jax_timeout)
+    watchdog.done()
+    return
+  if fv.num_processes <= 1:
+    return
+  if not fv.coordinator_address:
+    raise FlagError("--num_processes > 1 needs --coordinator_address")
+  # Cross-process collectives of the CPU backend (multi-host tests); no effect on TPU/GPU.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  who = (f"the {fv.num_processes} processes (this is process {fv.process_id}; coordinator"
+         f" {fv.coordinator_address})")
+  watchdog = _StartWatchdog(fv.init_timeout, who, command)
+  jax.distributed.initialize(fv.coordinator_address, num_processes=fv.num_processes,
+                             process_id=fv.process_id, initialization_timeout=jax_timeout)
+  watchdog.done()

@@ -1,0 +1,176 @@
+"""The fine-tuning task interface: one task type, one object, one file.
+
+A task type is a frozen dataclass subclass of Task. Its fields are its options: the
+generic ones below (columns, labels, lengths) and any it adds, which become keys of
+config.task (finetune/defaults.py collects every registered task's fields). It says,
+for one row of a CSV / JSONL file, how to
+
+  parse it      required_columns, row_labels, parse      -> Example (or BadRow)
+  encode it     encode(example, tokenizer, family, ...)  -> fixed-length features
+  train on it   head, forward, normalizers, loss         (FinetuneModel calls them)
+  evaluate it   predict, metrics, prediction_row         (finetune/evaluate.py)
+
+Put the file in t5x_like/finetune/tasks/ with a module-level `TASK = YourTask`: the
+registry (tasks/__init__.py) finds it, and `config.task.name` selects it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from t5x_like.finetune import heads
+
+Array = jax.Array
+Features = dict[str, np.ndarray]
+
+
+class BadRow(Exception):
+  """A row the task cannot use: `reason` (a counter name) and `problem` (a sentence)."""
+
+  def __init__(self, reason: str, problem: str):
+    super().__init__(problem)
+    self.reason, self.problem = reason, problem
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  """One row. label: the task's target (a class index, a score); tags: one label index
+  per word of `text` (token classification); answer_*: the answer in text_pair (span
+  extraction, answer_start -1 when there is none). line: where the row starts in its
+  file."""
+
+  text: str
+  text_pair: Optional[str] = None
+  label: Any = None
+  tags: Optional[tuple[int, ...]] = None
+  answer_text: Optional[str] = None
+  answer_start: Optional[int] = None
+  line: int = 0
+
+  @property
+  def words(self) -> list[str]:
+    return self.text.split()
+
+
+# ------------------------------------------------------------------ row fields
+def field(record: dict, column: str) -> Any:
+  if column not in record or record[column] is None:
+    raise BadRow("missing_column", f"column {column!r} is missing")
+  return record[column]
+
+
+def text_field(record: dict, column: str) -> str:
+  value = field(record, column)
+  if not isinstance(value, str):
+    raise BadRow("bad_value", f"column {column!r} is not a string: {value!r}")
+  if not value.strip():
+    raise BadRow("empty_text", f"column {column!r} is empty")
+  return value
+
+
+def label_string(value: Any, column: str) -> str:
+  if isinstance(value, bool) or not isinstance(value, (str, int)):
+    raise BadRow("bad_value", f"column {column!r}: a label must be a string, got {value!r}")
+  value = str(value).strip()
+  if not value:
+    raise BadRow("missing_column", f"column {column!r} is empty")
+  return value
+
+
+def label_index(label: str, lookup: dict[str, int], labels: Sequence[str]) -> int:
+  if label not in lookup:
+    shown = list(labels[:20]) + (["..."] if len(labels) > 20 else [])
+    raise BadRow("unknown_label", f"label {label!r} is not in the label list {shown}")
+  return lookup[label]
+
+
+# ------------------------------------------------------------------ the interface
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """One fine-tuning task type and its options (see the module docstring)."""
+
+  name: ClassVar[str] = ""
+  families: ClassVar[tuple[str, ...]] = ("encoder",)  # backbone families it encodes for
+  uses_label_list: ClassVar[bool] = True  # labels are names mapped to indices
+  label_features: ClassVar[tuple[str, ...]] = ("labels",)  # targets, not model inputs
+  host_features: ClassVar[tuple[str, ...]] = ()  # evaluation only: kept out of training
+  encode_flag: ClassVar[str] = "truncated"  # the stat `encode`'s flag counts
+
+  text_column: str = "text"
+  text_pair_column: str = ""  # "" = single texts
+  label_column: str = "label"
+  labels: tuple = ()  # () = every label of the train file, sorted
+  skip_bad_rows: bool = False  # True: skip and count bad rows instead of stopping
+  max_length: int = 128  # encoder / decoder input tokens
+  classifier_dropout: float = -1.0  # -1 = the model's dropout_rate
+
+  def __post_init__(self):
+    object.__setattr__(self, "labels", tuple(self.labels or ()))
+
+  # ---------------------------------------------------------------- rows
+  def check_files_options(self) -> None:
+    """ValueError when the options cannot read a file (e.g. a required column unset)."""
+
+  def required_columns(self) -> list[str]:
+    return [self.text_column] + ([self.text_pair_column] if self.text_pair_column else []) + [
+        self.label_column]
+
+  def texts(self, record: dict) -> tuple[str, Optional[str]]:
+    """The row's text and text pair (None without a pair column); BadRow if unusable."""
+    pair = text_field(record, self.text_pair_column) if self.text_pair_column else None
+    return text_field(record, self.text_column), pair
+
+  def row_labels(self, record: dict) -> list[str]:
+    """The label strings of a row, collected into the label list (uses_label_list)."""
+    return [label_string(field(record, self.label_column), self.label_column)]
+
+  def parse(self, record: dict, line: int, lookup: dict[str, int],
+            labels: Sequence[str]) -> Example:
+    """An Example, or BadRow naming what is wrong."""
+    raise NotImplementedError
+
+  # ---------------------------------------------------------------- features
+  def encode(self, example: Example, tokenizer, family: str,
+             label_names: Sequence[str]) -> tuple[Features, bool]:
+    """Fixed-length features of one example, and whether anything was cut (encode_flag)."""
+    raise NotImplementedError
+
+  # ---------------------------------------------------------------- model
+  def dropout_rate(self, model_config) -> float:
+    return model_config.dropout_rate if self.classifier_dropout < 0 else self.classifier_dropout
+
+  def head(self, model_config, num_labels: int, deterministic: bool) -> nn.Module:
+    """The head module (built inside FinetuneModule.setup)."""
+    raise NotImplementedError
+
+  def forward(self, head: nn.Module, hidden_BxLxD: Array, valid_BxL: Array,
+              summary_index_B: Optional[Array], batch) -> Any:
+    """The head's output on the backbone's final hidden states (logits)."""
+    raise NotImplementedError
+
+  def normalizers(self, batch) -> dict[str, Array]:
+    """Loss denominators over the full batch (microbatches share them)."""
+    return {"labels": heads.label_normalizer(batch["labels"])}
+
+  def loss(self, out, batch, normalizers, model_config) -> dict[str, Array]:
+    """Metrics with 'loss' (the value to minimise)."""
+    raise NotImplementedError
+
+  def predict(self, out, batch) -> Any:
+    """Predictions of one batch (arrays, jitted)."""
+    raise NotImplementedError
+
+  # ---------------------------------------------------------------- evaluation
+  def metrics(self, predictions, features: Features, dataset) -> dict[str, float]:
+    """Dev metrics of every dev row's predictions (host side)."""
+    raise NotImplementedError
+
+  def prediction_row(self, k: int, example: Example, predictions, features: Features,
+                     dataset) -> dict:
+    """What dev_predictions.jsonl says about dev row k, besides its line."""
+    raise NotImplementedError
