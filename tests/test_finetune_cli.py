@@ -1,12 +1,14 @@
 """`t5x-like task books` and `t5x-like finetune` end to end: the held-out task, starting
-from our checkpoint / at random / from a Hugging Face checkpoint, exact resume, text
-to text evaluated by generation, and bad input reported with its line."""
+from our checkpoint / at random / from a Hugging Face checkpoint, exact resume after a
+signal or a SIGKILL, two processes equal to one, text to text evaluated by generation,
+and bad input reported with its line."""
 
 import csv
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -56,6 +58,27 @@ def _finetune(workdir, task_dir, *overrides, variant="bert,smoke"):
                    if variant.startswith("bert") else
                    f"--config.init.config={os.path.join(ROOT, 'configs', 't5_cpu.py')}:smoke",
                    *overrides])
+
+
+def _start_finetune(workdir, task_dir, *overrides, variant="bert,smoke", devices=8):
+  """`t5x-like finetune` in a child process (stdout and stderr piped)."""
+  init = BERT_CPU if variant.startswith("bert") else os.path.join(ROOT, "configs", "t5_cpu.py")
+  command = [sys.executable, "-m", "t5x_like.cli", "finetune",
+             f"--config={CONFIG}:{variant},dir={task_dir}", f"--workdir={workdir}",
+             f"--config.init.config={init}:smoke", *overrides]
+  env = dict(os.environ, T5X_LIKE_HUGE_PAGES="0", JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  return subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_losses(proc, workdir, count):
+  """Polls metrics.jsonl until it has `count` train rows."""
+  metrics, deadline = os.path.join(workdir, "metrics.jsonl"), time.time() + 300
+  while not (os.path.exists(metrics)
+             and sum("loss" in r for r in read_jsonl(metrics)) >= count):
+    assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:]
+    time.sleep(0.02)
 
 
 def _saved_params(path):
@@ -168,16 +191,8 @@ def test_finetune_signal_saves_exits_zero_and_resumes_to_the_same_losses(signum,
           "--config.train.checkpoint_every=0", "--config.train.eval_every=0")
   assert _finetune(str(tmp_path / "whole"), task_dir, *args) == 0
   cut = str(tmp_path / "cut")
-  command = [sys.executable, "-m", "t5x_like.cli", "finetune",
-             f"--config={CONFIG}:bert,smoke,dir={task_dir}", f"--workdir={cut}",
-             f"--config.init.config={BERT_CPU}:smoke", *args]
-  env = dict(os.environ, T5X_LIKE_HUGE_PAGES="0")
-  proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
-  metrics, deadline = os.path.join(cut, "metrics.jsonl"), time.time() + 300
-  while not (os.path.exists(metrics) and any("loss" in r for r in read_jsonl(metrics))):
-    assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:]
-    time.sleep(0.05)
+  proc = _start_finetune(cut, task_dir, *args)
+  _wait_for_losses(proc, cut, 1)
   proc.send_signal(signum)
   out, err = proc.communicate(timeout=300)
   assert proc.returncode == 0, err[-3000:]
@@ -188,6 +203,71 @@ def test_finetune_signal_saves_exits_zero_and_resumes_to_the_same_losses(signum,
   losses = lambda d: [(r["step"], r["loss"]) for r in read_jsonl(
       str(tmp_path / d / "metrics.jsonl")) if "loss" in r]
   assert losses("cut") == losses("whole")
+
+
+@pytest.mark.slow
+def test_finetune_killed_at_a_random_step_resumes_to_the_same_losses(tmp_path, task_dir):
+  """SIGKILL (no chance to save) at a random step; the rerun resumes from the last
+  checkpoint and gives every loss, dev metric and parameter of an uninterrupted run,
+  with one metrics row per step."""
+  args = ("--config.train.num_steps=40", "--config.train.log_every=1",
+          "--config.train.checkpoint_every=4", "--config.train.eval_every=10")
+  assert _finetune(str(tmp_path / "whole"), task_dir, *args) == 0
+  cut = str(tmp_path / "cut")
+  kill_after = int(np.random.default_rng(int(time.time())).integers(5, 36))
+  proc = _start_finetune(cut, task_dir, *args)
+  _wait_for_losses(proc, cut, kill_after)
+  proc.kill()
+  proc.communicate(timeout=60)
+  assert not os.path.exists(os.path.join(cut, "final_metrics.json"))
+  assert _finetune(cut, task_dir, *args) == 0
+  rows = lambda d: read_jsonl(str(tmp_path / d / "metrics.jsonl"))
+  assert [r["step"] for r in rows("cut") if "loss" in r] == list(range(1, 41)), kill_after
+  for key in ("loss", "dev_accuracy"):
+    assert ([(r["step"], r[key]) for r in rows("cut") if key in r]
+            == [(r["step"], r[key]) for r in rows("whole") if key in r]), (key, kill_after)
+  a, b = _saved_params(str(tmp_path / "whole")), _saved_params(cut)
+  for key in a:
+    np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["bert,smoke", "t5,smoke"])
+def test_two_processes_fine_tune_like_one(variant, tmp_path, task_dir, bert_workdir):
+  """2 processes x 4 devices (jax.distributed) against 1 process x 8 devices: the same
+  losses, dev metrics and dev predictions. BERT starts from a pretrained checkpoint,
+  T5 fine-tunes text to text (predictions by generation, gathered from both hosts)."""
+  args = ["--config.train.num_steps=4", "--config.train.log_every=1",
+          "--config.train.eval_every=2", "--config.train.batch_size=8"]
+  if variant.startswith("bert"):
+    args.append(f"--config.init.checkpoint={bert_workdir}")
+  single = _start_finetune(str(tmp_path / "single"), task_dir, *args, variant=variant)
+  out, err = single.communicate(timeout=600)
+  assert single.returncode == 0, err[-3000:]
+  port = _free_port()
+  procs = [_start_finetune(str(tmp_path / "multi"), task_dir, *args,
+                           f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                           f"--process_id={i}", variant=variant, devices=4) for i in range(2)]
+  outputs = [proc.communicate(timeout=600) for proc in procs]
+  for proc, (out, err) in zip(procs, outputs):
+    assert proc.returncode == 0, err[-3000:]
+  assert "2 process(es)" in outputs[0][0]
+  rows = lambda d: read_jsonl(str(tmp_path / d / "metrics.jsonl"))
+  losses = lambda d: [(r["step"], r["loss"]) for r in rows(d) if "loss" in r]
+  assert [s for s, _ in losses("multi")] == [1, 2, 3, 4]
+  np.testing.assert_allclose([v for _, v in losses("multi")], [v for _, v in losses("single")],
+                             rtol=1e-5)
+  dev = lambda d: [(r["step"], {k: v for k, v in r.items() if k.startswith("dev_")})
+                   for r in rows(d) if "dev_accuracy" in r]
+  assert dev("multi") == dev("single") and len(dev("single")) == 2
+  read = lambda d: open(tmp_path / d / "dev_predictions.jsonl").read()
+  assert read("multi") == read("single")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
 
 
 def test_finetune_from_a_hugging_face_bert_with_its_vocab_txt(tmp_path, task_dir, capsys):
