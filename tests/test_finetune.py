@@ -341,6 +341,55 @@ def test_bert_classifier_equals_bert_for_sequence_classification(tmp_path):
   assert np.abs(ref_mean - ref).max() > 1e-3  # it is not the [CLS] reading
 
 
+def test_regression_equals_bert_for_sequence_classification_with_one_label(tmp_path):
+  torch.manual_seed(1)
+  config = transformers.BertConfig(vocab_size=99, hidden_size=24, num_hidden_layers=2,
+                                   num_attention_heads=3, intermediate_size=37, num_labels=1,
+                                   problem_type="regression")
+  reference = transformers.BertForSequenceClassification(config).eval()
+  pretraining = transformers.BertForPreTraining(config)
+  pretraining.bert.load_state_dict(reference.bert.state_dict())
+  pretraining.save_pretrained(str(tmp_path / "bert"))
+  backbone, pretrained = hf.load(str(tmp_path / "bert"))
+  model = FinetuneModel(backbone.config, "regression")
+  params = model.load_backbone(jax.eval_shape(model.init, jax.random.key(0)), pretrained)
+  params["head"]["classifier"] = {
+      "kernel": reference.classifier.weight.detach().numpy().T,
+      "bias": reference.classifier.bias.detach().numpy()}
+  rng = np.random.default_rng(1)
+  tokens = rng.integers(5, 99, (4, 9))
+  tokens[:, 0] = 2
+  tokens[2, 5:] = 0
+  scores = np.array([0.5, 4.0, -1.25, 2.0], np.float32)
+  with torch.no_grad():
+    ref = reference(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(tokens != 0),
+                    labels=torch.tensor(scores))
+  batch = {"encoder_input_tokens": jnp.asarray(tokens),
+           "encoder_type_ids": jnp.zeros_like(jnp.asarray(tokens)), "labels": scores}
+  np.testing.assert_allclose(np.asarray(jax.jit(model.predict)(params, batch)),
+                             ref.logits.numpy()[:, 0], atol=1e-5)
+  loss, metrics = model.loss_fn(params, batch, None)  # no dropout rng: deterministic
+  np.testing.assert_allclose(float(loss), float(ref.loss), rtol=1e-5)
+
+
+def test_regression_rows_and_metrics(tmp_path):
+  import scipy.stats
+  path = tmp_path / "sts.csv"
+  path.write_text("a,b,score\nA cat.,An animal.,3.5\nA cat.,A dog.,x\nA cat.,A cat.,5\n",
+                  encoding="utf-8")
+  task = make_task("regression", text_column="a", text_pair_column="b", label_column="score",
+                   skip_bad_rows=True)
+  data = read_examples(path, task)
+  assert [e.label for e in data.examples] == [3.5, 5.0] and data.labels == ()
+  assert data.stats["bad_row_messages"] == [f"{path}:3: column 'score' is not a number: 'x'"]
+  predicted = np.array([0.1, 2.0, 2.0, 3.5, 0.7, 5.0])
+  gold = np.array([0.0, 1.0, 3.0, 3.0, 2.0, 4.5], np.float32)  # ties on both sides
+  scores = task.metrics(predicted, {"labels": gold}, None)
+  assert scores["pearson"] == pytest.approx(scipy.stats.pearsonr(predicted, gold)[0])
+  assert scores["spearman"] == pytest.approx(scipy.stats.spearmanr(predicted, gold)[0])
+  assert scores["mse"] == pytest.approx(np.mean((predicted - gold) ** 2))
+
+
 def test_gpt_head_reads_the_last_real_token():
   model = FinetuneModel(gpt2(1, 32, vocab_size=50, num_heads=2, d_ff=64,
                              max_position_embeddings=16), "classification", num_labels=2)

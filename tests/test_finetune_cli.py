@@ -264,6 +264,28 @@ def test_two_processes_fine_tune_like_one(variant, tmp_path, task_dir, bert_work
   assert read("multi") == read("single")
 
 
+def test_regression_task_end_to_end(tmp_path, task_dir):
+  """The README's worked example of a new task type runs as any other: a score per
+  passage (its share of words starting with a capital), Pearson / Spearman / MSE."""
+  for split in ("train", "dev"):
+    with open(tmp_path / f"{split}.csv", "w", encoding="utf-8", newline="") as f:
+      writer = csv.writer(f)
+      writer.writerow(["text", "score"])
+      for row in _read_csv(f"{task_dir}/{split}.csv"):
+        words = row["text"].split()
+        writer.writerow([row["text"], sum(w[:1].isupper() for w in words) / len(words)])
+  workdir = tmp_path / "ft"
+  assert _finetune(str(workdir), task_dir, "--config.task.name=regression",
+                   "--config.task.label_column=score", "--config.train.num_steps=4",
+                   f"--config.task.train_file={tmp_path / 'train.csv'}",
+                   f"--config.task.dev_file={tmp_path / 'dev.csv'}") == 0
+  final = json.load(open(workdir / "final_metrics.json"))
+  assert {"pearson", "spearman", "mse"} <= set(final) and final["step"] == 4
+  predictions = [json.loads(line) for line in open(workdir / "dev_predictions.jsonl")]
+  assert len(predictions) == final["dev_examples"] == len(_read_csv(f"{task_dir}/dev.csv"))
+  assert all(isinstance(p["prediction"], float) for p in predictions)
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("localhost", 0))
