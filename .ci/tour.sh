@@ -52,6 +52,19 @@ expect "$out" "step 10: dev"
 expect "$out" "final dev metrics"
 test -s workdir/ft/final_metrics.json
 
+step "a new task type's worked example: regression on a score per passage (README)"
+python3 - <<'EOF'
+import csv
+for split in ("train", "dev"):
+  rows = [(r["text"], sum(w[0].isupper() for w in r["text"].split()) / len(r["text"].split()))
+          for r in csv.DictReader(open(f"workdir/books/{split}.csv", encoding="utf-8"))]
+  with open(f"workdir/books/{split}_score.csv", "w", encoding="utf-8", newline="") as f:
+    csv.writer(f).writerows([("text", "score")] + rows)
+EOF
+$T finetune --config configs/finetune_books.py:bert --workdir workdir/ft_score --config.task.name=regression --config.task.label_column=score --config.task.train_file=workdir/books/train_score.csv --config.task.dev_file=workdir/books/dev_score.csv --config.train.num_steps=20 --config.train.eval_every=10 | tee "$out"
+expect "$out" "dev pearson="
+test -s workdir/ft_score/dev_predictions.jsonl
+
 step "plan"
 $T plan --config configs/bert_pretrain.py:base --topology v3-32 | tee "$out"
 expect "$out" "110,106,428"
