@@ -296,22 +296,31 @@ def _init(model, seed=0):
   return jax.jit(model.init)(jax.random.key(seed))
 
 
-def test_bert_classifier_equals_bert_for_sequence_classification(tmp_path):
-  torch.manual_seed(0)
+def _with_reference_weights(tmp_path, task, num_labels, **config_kw):
+  """(transformers' BertForSequenceClassification, our FinetuneModel for `task`, its params
+  with the reference's weights: backbone and pooler through a saved checkpoint and
+  hf.load, the classifier copied)."""
   config = transformers.BertConfig(vocab_size=99, hidden_size=24, num_hidden_layers=2,
-                                   num_attention_heads=3, intermediate_size=37, num_labels=3)
+                                   num_attention_heads=3, intermediate_size=37,
+                                   num_labels=num_labels, **config_kw)
   reference = transformers.BertForSequenceClassification(config).eval()
   pretraining = transformers.BertForPreTraining(config)
   pretraining.bert.load_state_dict(reference.bert.state_dict())
   pretraining.save_pretrained(str(tmp_path / "bert"))
-
   backbone, pretrained = hf.load(str(tmp_path / "bert"))
-  model = FinetuneModel(backbone.config, "classification", num_labels=3)
+  model = FinetuneModel(backbone.config, task,
+                        **({"num_labels": num_labels} if task == "classification" else {}))
   # load_backbone fills every backbone param and the pooler; only shapes are needed here.
   params = model.load_backbone(jax.eval_shape(model.init, jax.random.key(0)), pretrained)
   params["head"]["classifier"] = {
       "kernel": reference.classifier.weight.detach().numpy().T,
       "bias": reference.classifier.bias.detach().numpy()}
+  return reference, model, params
+
+
+def test_bert_classifier_equals_bert_for_sequence_classification(tmp_path):
+  torch.manual_seed(0)
+  reference, model, params = _with_reference_weights(tmp_path, "classification", num_labels=3)
   rng = np.random.default_rng(0)
   tokens = rng.integers(5, 99, (3, 10))
   tokens[:, 0] = 2
@@ -328,7 +337,7 @@ def test_bert_classifier_equals_bert_for_sequence_classification(tmp_path):
   np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-5)
 
   # pooling="mean": the pooler and classifier read the mean of the real tokens' states.
-  mean_model = FinetuneModel(backbone.config, "classification", num_labels=3, pooling="mean")
+  mean_model = FinetuneModel(model.config, "classification", num_labels=3, pooling="mean")
   with torch.no_grad():
     mask = torch.tensor(tokens != 0, dtype=torch.float32)
     hidden = reference.bert(input_ids=torch.tensor(tokens), token_type_ids=torch.tensor(types),
@@ -343,19 +352,8 @@ def test_bert_classifier_equals_bert_for_sequence_classification(tmp_path):
 
 def test_regression_equals_bert_for_sequence_classification_with_one_label(tmp_path):
   torch.manual_seed(1)
-  config = transformers.BertConfig(vocab_size=99, hidden_size=24, num_hidden_layers=2,
-                                   num_attention_heads=3, intermediate_size=37, num_labels=1,
-                                   problem_type="regression")
-  reference = transformers.BertForSequenceClassification(config).eval()
-  pretraining = transformers.BertForPreTraining(config)
-  pretraining.bert.load_state_dict(reference.bert.state_dict())
-  pretraining.save_pretrained(str(tmp_path / "bert"))
-  backbone, pretrained = hf.load(str(tmp_path / "bert"))
-  model = FinetuneModel(backbone.config, "regression")
-  params = model.load_backbone(jax.eval_shape(model.init, jax.random.key(0)), pretrained)
-  params["head"]["classifier"] = {
-      "kernel": reference.classifier.weight.detach().numpy().T,
-      "bias": reference.classifier.bias.detach().numpy()}
+  reference, model, params = _with_reference_weights(tmp_path, "regression", num_labels=1,
+                                                     problem_type="regression")
   rng = np.random.default_rng(1)
   tokens = rng.integers(5, 99, (4, 9))
   tokens[:, 0] = 2
