@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from t5x_like.data.objective import (Example, Objective, ObjectiveSpec, example_rng,
-                                     require_special_ids)
+                                     require_special_ids, shift_right)
 from t5x_like.data.store import TokenStore
 from t5x_like.data.streams import StreamCache
 
@@ -59,11 +59,9 @@ class IidDenoising(Objective):
     targets = np.concatenate([pieces, eos], 1).astype(np.int32)
     ones = np.ones_like(targets)
     positions = np.broadcast_to(np.arange(self.length, dtype=np.int32), targets.shape).copy()
-    decoder_inputs = np.zeros_like(targets)
-    decoder_inputs[:, 1:] = targets[:, :-1]
     return {"encoder_input_tokens": inputs, "encoder_segment_ids": ones,
             "encoder_positions": positions, "decoder_target_tokens": targets,
-            "decoder_input_tokens": decoder_inputs, "decoder_loss_weights": ones.copy(),
+            "decoder_input_tokens": shift_right(targets), "decoder_loss_weights": ones.copy(),
             "decoder_segment_ids": ones.copy(), "decoder_positions": positions.copy()}
 
 

@@ -25,6 +25,16 @@ def example_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
   return np.random.default_rng([seed, epoch, index])
 
 
+def shift_right(targets_BxT: np.ndarray, real_BxT=None) -> np.ndarray:
+  """Decoder inputs [B, T] int32: targets shifted right with 0 (BOS); 0 where real_BxT
+  (if given) is False."""
+  shifted = np.zeros_like(targets_BxT)
+  shifted[:, 1:] = targets_BxT[:, :-1]
+  if real_BxT is not None:
+    shifted = np.where(real_BxT, shifted, 0)
+  return shifted.astype(np.int32)
+
+
 class Objective(abc.ABC):
   """Fixed-shape examples from a TokenStore, deterministic in (seed, epoch, index).
 

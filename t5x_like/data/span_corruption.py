@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from t5x_like.data.objective import (Example, Objective, ObjectiveSpec, example_rng,
-                                     require_special_ids)
+                                     require_special_ids, shift_right)
 from t5x_like.data.streams import StreamCache
 from t5x_like.data.store import TokenStore
 
@@ -127,13 +127,6 @@ def span_corruption(tokens: np.ndarray, rng: np.random.Generator, *, vocab_size:
   return inputs[0], targets[0]
 
 
-def _shift_right(targets: np.ndarray, real: np.ndarray) -> np.ndarray:
-  """Decoder inputs: targets [B, T] shifted right with 0 (BOS); 0 on padding."""
-  shifted = np.zeros_like(targets)
-  shifted[:, 1:] = targets[:, :-1]
-  return np.where(real, shifted, 0).astype(np.int32)
-
-
 def _pad(rows: np.ndarray, length: int) -> np.ndarray:
   out = np.zeros((rows.shape[0], length), np.int32)
   width = min(length, rows.shape[1])
@@ -192,7 +185,7 @@ class SpanCorruption(Objective):
         "encoder_segment_ids": enc_seg.copy(),
         "encoder_positions": (np.arange(self.inputs_length, dtype=np.int32) * enc_seg),
         "decoder_target_tokens": dec,
-        "decoder_input_tokens": _shift_right(dec, dec_seg.astype(bool)),
+        "decoder_input_tokens": shift_right(dec, dec_seg.astype(bool)),
         "decoder_loss_weights": dec_seg.copy(),
         "decoder_segment_ids": dec_seg.copy(),
         "decoder_positions": (np.arange(self.targets_length, dtype=np.int32) * dec_seg),
