@@ -37,13 +37,13 @@ def _tokenizer(config, default) -> Tokenizer:
       ".txt") else as_tokenizer(vocab)
 
 
-def _hf_tokenizer(config, path: str, family: str) -> Tokenizer:
+def _hf_tokenizer(config, path: str, hf_model_type: str) -> Tokenizer:
   """tokenizer.vocab if set; else the checkpoint's vocab.txt (WordPiece, lower-casing
   as its tokenizer_config.json says) for BERT."""
   if config.tokenizer.vocab:
     return _tokenizer(config, None)
   vocab_txt = os.path.join(path, "vocab.txt")
-  if family == "encoder" and os.path.isfile(vocab_txt):
+  if hf_model_type == "bert" and os.path.isfile(vocab_txt):
     lowercase = config.tokenizer.lowercase
     tok_config = os.path.join(path, "tokenizer_config.json")
     if os.path.isfile(tok_config):
@@ -68,7 +68,7 @@ def load_backbone(config) -> Backbone:
     if init.checkpoint:
       raise BackboneError("config.init: init.checkpoint goes with init.config, not init.hf")
     model, params = hf.load(init.hf, **overrides)
-    return Backbone(model.config, _hf_tokenizer(config, init.hf, model.config.family),
+    return Backbone(model.config, _hf_tokenizer(config, init.hf, model.hf_model_type),
                     params, f"Hugging Face checkpoint {init.hf}")
   from t5x_like.train.defaults import load_config_file
   from t5x_like.experiment import build_model_from_config, config_vocab

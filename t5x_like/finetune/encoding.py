@@ -94,6 +94,16 @@ def encode_decoder_pair(tokenizer: Tokenizer, example: Example, max_length: int
           "decoder_segment_ids": pad([1] * len(tokens), max_length)}, truncated
 
 
+PAIR_ENCODINGS = {"encoder": encode_encoder_pair, "decoder": encode_decoder_pair}
+
+
+def encode_pair(tokenizer: Tokenizer, example: Example, family: str, max_length: int
+                ) -> tuple[Features, bool]:
+  """The text (pair) as the `family`'s model reads it (PAIR_ENCODINGS), and whether it
+  was cut."""
+  return PAIR_ENCODINGS[family](tokenizer, example, max_length)
+
+
 def text_to_text_input(example: Example, task_prefix: str, pair_prefix: str = "pair") -> str:
   """The T5 input string: "prefix: text" or "prefix: text pair_prefix: text_pair"."""
   text = f"{task_prefix}: {example.text}"

@@ -21,10 +21,16 @@ import jax.numpy as jnp
 
 from t5x_like.models import losses
 from t5x_like.models.layers import DenseGeneral, normal_init
+from t5x_like.models.model import MODEL_CLASSES
 
 Array = jax.Array
 
 POOLINGS = ("cls", "mean")
+
+
+def has_pooler(model_config) -> bool:
+  """Whether the family's pretraining has a [CLS] pooler a head may start from (BERT)."""
+  return MODEL_CLASSES[model_config.family].pretrained_pooler
 
 
 class ClassificationHead(nn.Module):

@@ -58,6 +58,7 @@ class Model:
   # What fine-tuning (t5x_like.finetune) asks of the family.
   finetune_inputs: tuple[str, ...] = ()  # the input features of a fine-tuning batch
   finetunes_text_to_text = False  # trains the whole model on label strings (no head)
+  pretrained_pooler = False  # pretraining has a [CLS] pooler a head may start from
 
   @classmethod
   def finetune_config(cls, config: ModelConfig) -> ModelConfig:
@@ -150,6 +151,7 @@ class EncoderModel(Model):
   fills_masks = True
   hf_model_type = "bert"
   finetune_inputs = ("encoder_input_tokens", "encoder_type_ids")
+  pretrained_pooler = True
 
   @classmethod
   def finetune_config(cls, config):

@@ -47,13 +47,10 @@ class Classification(Task):
     return Example(text, pair, label=label_index(label, lookup, labels), line=line)
 
   def encode(self, example, tokenizer, family, label_names):
-    if family == "encoder":
-      features, cut = encoding.encode_encoder_pair(tokenizer, example, self.max_length)
-    elif family == "decoder":
-      features, cut = encoding.encode_decoder_pair(tokenizer, example, self.max_length)
-    else:
+    if family not in encoding.PAIR_ENCODINGS:  # text to text
       return encoding.encode_text_to_text(tokenizer, example, label_names, self.max_length,
                                           self.target_length, self.task_prefix)
+    features, cut = encoding.encode_pair(tokenizer, example, family, self.max_length)
     features["labels"] = np.int32(example.label)
     return features, cut
 
@@ -63,7 +60,7 @@ class Classification(Task):
 
   def head(self, model_config, num_labels, deterministic):
     return heads.ClassificationHead(
-        num_labels, pooler=self.pooler and model_config.family == "encoder",
+        num_labels, pooler=self.pooler and heads.has_pooler(model_config),
         pooling=self.pooling, dropout_rate=self.dropout_rate(model_config),
         init_std=model_config.init_std, dtype=compute_dtype(model_config),
         deterministic=deterministic)

@@ -70,15 +70,13 @@ class Regression(Task):
     return Example(text, pair, label=score, line=line)
 
   def encode(self, example, tokenizer, family, label_names):
-    encode = (encoding.encode_encoder_pair if family == "encoder"
-              else encoding.encode_decoder_pair)
-    features, cut = encode(tokenizer, example, self.max_length)
+    features, cut = encoding.encode_pair(tokenizer, example, family, self.max_length)
     features["labels"] = np.float32(example.label)
     return features, cut
 
   def head(self, model_config, num_labels, deterministic):
     return heads.ClassificationHead(
-        1, pooler=self.pooler and model_config.family == "encoder", pooling=self.pooling,
+        1, pooler=self.pooler and heads.has_pooler(model_config), pooling=self.pooling,
         dropout_rate=self.dropout_rate(model_config), init_std=model_config.init_std,
         dtype=compute_dtype(model_config), deterministic=deterministic)
 
