@@ -67,10 +67,10 @@ def train(config: ml_collections.ConfigDict, workdir) -> RunResult:
   # The lock first: a refused lock must not undo the holder's files.
   with WorkdirLock(workdir_path, enabled=is_main), \
        undo_on_user_error(workdir_path, enabled=is_main) as setup:
-    return _train(config, workdir, is_main, setup)
+    return _train(config, workdir, setup)
 
 
-def _train(config, workdir: str, is_main: bool, setup) -> RunResult:
+def _train(config, workdir: str, setup) -> RunResult:
   tc = config.train
   phases = phase_configs(config)
 
