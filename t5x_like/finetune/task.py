@@ -16,6 +16,7 @@ registry (tasks/__init__.py) finds it, and `config.task.name` selects it.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, ClassVar, Optional, Sequence
 
@@ -91,8 +92,9 @@ def label_index(label: str, lookup: dict[str, int], labels: Sequence[str]) -> in
 
 # ------------------------------------------------------------------ the interface
 @dataclasses.dataclass(frozen=True)
-class Task:
-  """One fine-tuning task type and its options (see the module docstring)."""
+class Task(abc.ABC):
+  """One fine-tuning task type and its options (see the module docstring); a subclass
+  implements the abstract methods."""
 
   name: ClassVar[str] = ""
   families: ClassVar[tuple[str, ...]] = ("encoder",)  # backbone families it encodes for
@@ -129,48 +131,48 @@ class Task:
     """The label strings of a row, collected into the label list (uses_label_list)."""
     return [label_string(field(record, self.label_column), self.label_column)]
 
+  @abc.abstractmethod
   def parse(self, record: dict, line: int, lookup: dict[str, int],
             labels: Sequence[str]) -> Example:
     """An Example, or BadRow naming what is wrong."""
-    raise NotImplementedError
 
   # ---------------------------------------------------------------- features
+  @abc.abstractmethod
   def encode(self, example: Example, tokenizer, family: str,
              label_names: Sequence[str]) -> tuple[Features, bool]:
     """Fixed-length features of one example, and whether anything was cut (encode_flag)."""
-    raise NotImplementedError
 
   # ---------------------------------------------------------------- model
   def dropout_rate(self, model_config) -> float:
     return model_config.dropout_rate if self.classifier_dropout < 0 else self.classifier_dropout
 
+  @abc.abstractmethod
   def head(self, model_config, num_labels: int, deterministic: bool) -> nn.Module:
     """The head module (built inside FinetuneModule.setup)."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def forward(self, head: nn.Module, hidden_BxLxD: Array, valid_BxL: Array,
               summary_index_B: Optional[Array], batch) -> Any:
     """The head's output on the backbone's final hidden states (logits)."""
-    raise NotImplementedError
 
   def normalizers(self, batch) -> dict[str, Array]:
     """Loss denominators over the full batch (microbatches share them)."""
     return {"labels": heads.label_normalizer(batch["labels"])}
 
+  @abc.abstractmethod
   def loss(self, out, batch, normalizers, model_config) -> dict[str, Array]:
     """Metrics with 'loss' (the value to minimise)."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def predict(self, out, batch) -> Any:
     """Predictions of one batch (arrays, jitted)."""
-    raise NotImplementedError
 
   # ---------------------------------------------------------------- evaluation
+  @abc.abstractmethod
   def metrics(self, predictions, features: Features, dataset) -> dict[str, float]:
     """Dev metrics of every dev row's predictions (host side)."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def prediction_row(self, k: int, example: Example, predictions, features: Features,
                      dataset) -> dict:
     """What dev_predictions.jsonl says about dev row k, besides its line."""
-    raise NotImplementedError

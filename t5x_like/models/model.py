@@ -70,10 +70,11 @@ class Model:
     """The backbone module of fine-tuning (hidden_states reads it)."""
     return cls.module_class(config, deterministic=deterministic)
 
-  @staticmethod
-  def hidden_states(module: nn.Module, batch) -> tuple[Array, Array]:
+  @classmethod
+  def hidden_states(cls, module: nn.Module, batch) -> tuple[Array, Array]:
     """(final hidden states [B, L, D], real-token mask [B, L]) for a task's head."""
-    raise NotImplementedError
+    raise TypeError(f"{cls.__name__} has no hidden states for a task head (it fine-tunes"
+                    " text to text)")
 
   @staticmethod
   def summary_index(valid_BxL: Array) -> Optional[Array]:
@@ -271,12 +272,12 @@ class _SequenceModel(Model):
               rows_per_example: int = 1, pad_id: int = 0,
               decoder_start_id: int = 0) -> steppers.Stepper:
     """The incremental decoder of `batch` on the KV cache (infer.generate's layout)."""
-    raise NotImplementedError
+    raise TypeError(f"{type(self).__name__} has no incremental decoder")
 
   def decode_step(self, params: Params, batch_shapes: Mapping[str, Any]) -> steppers.CachedStep:
     """One cached decoding step for a batch of the training `batch_shapes`: the cache
     has the decoder length's slots (T5: over encoder outputs of the encoder length)."""
-    raise NotImplementedError
+    raise TypeError(f"{type(self).__name__} has no incremental decoder")
 
 
 class DecoderModel(_SequenceModel):
