@@ -1,7 +1,6 @@
 """The trainer end to end: exact resume after SIGKILL, SIGTERM, corrupt checkpoints,
 multi-host on CPU, learning, and a non-finite loss."""
 
-import json
 import os
 import signal
 import socket
@@ -9,7 +8,6 @@ import subprocess
 import sys
 import time
 
-import jax
 import numpy as np
 import pytest
 
