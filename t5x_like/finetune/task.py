@@ -10,6 +10,11 @@ for one row of a CSV / JSONL file, how to
   train on it   head, forward, normalizers, loss         (FinetuneModel calls them)
   evaluate it   predict, metrics, prediction_row         (finetune/evaluate.py)
 
+A task that lists the "encoder_decoder" family fine-tunes T5 text to text: its encode
+writes the label string as decoder targets and it defines label_targets(tokenizer,
+label_names) -> [C, T] (see tasks/classification.py); FinetuneModel then uses the
+encoder-decoder loss instead of a head.
+
 Put the file in t5x_like/finetune/tasks/ with a module-level `TASK = YourTask`: the
 registry (tasks/__init__.py) finds it, and `config.task.name` selects it.
 """

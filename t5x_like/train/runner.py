@@ -2,7 +2,8 @@
 
   with run_files(workdir, total_steps=..., keep=..., async_save=...) as (checkpointer, writer):
     start = restore_or_create(checkpointer, abstract_state, create, setup)
-    batches = device_batches(objective, batch_size, seed, mesh, rules, start.data_state)
+    batches = device_batches(objective, batch_size, seed=..., mesh=mesh, rules=rules,
+                             data_state=start.extra and start.extra["data"])
     step, state, evals, stopped = run_steps(StepLoop(...), start.state, start.step, until)
 
 One loop for both: the train step on device-prefetched batches of the deterministic

@@ -41,11 +41,16 @@ for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
     register(_module.TASK)
 
 
-def make_task(name: str, **options) -> Task:
-  """The task `name` with `options` (its dataclass fields)."""
+def task_class(name: str) -> type[Task]:
+  """The registered Task class `name` (TaskConfigError naming config.task.name if none)."""
   if name not in TASKS:
     raise TaskConfigError(f"config.task.name={name!r}: expected one of {sorted(TASKS)}")
-  return TASKS[name](**options)
+  return TASKS[name]
+
+
+def make_task(name: str, **options) -> Task:
+  """The task `name` with `options` (its dataclass fields)."""
+  return task_class(name)(**options)
 
 
 def task_options() -> dict:
@@ -64,12 +69,11 @@ def task_from_config(task_config) -> Task:
   """config.task -> its Task, given the options the task has; a refused option raises
   TaskConfigError naming config.task.<key>."""
   name = task_config.name
-  if name not in TASKS:
-    raise TaskConfigError(f"config.task.name={name!r}: expected one of {sorted(TASKS)}")
-  fields = {f.name for f in dataclasses.fields(TASKS[name])}
+  cls = task_class(name)
+  fields = {f.name for f in dataclasses.fields(cls)}
   options = {k: v for k, v in task_config.items() if k in fields}
   try:
-    task = TASKS[name](**options)
+    task = cls(**options)
     task.check_files_options()
     return task
   except (TypeError, ValueError) as e:
