@@ -11,7 +11,8 @@ import pytest
 
 from t5x_like import models
 from t5x_like.models.layers import dot
-from t5x_like.models.attention import MultiHeadAttention, attention_mask
+from t5x_like.models.attention import MultiHeadAttention
+from t5x_like.models.masks import attention_mask
 from t5x_like.models.attention_core import attend
 from t5x_like.models.losses import cross_entropy
 
@@ -234,7 +235,7 @@ def test_explicit_attention_bfloat16_close_to_float32():
 def test_attention_impl_choices():
   q, k, v, bias, mask, keep = _attention_inputs(4)
   with pytest.raises(ValueError, match="cannot apply attention dropout"):
-    attend(q, k, v, mask=mask, keep=keep, impl="xla_sdpa")
+    attend(q, k, v, mask=mask, dropout_rate=0.1, dropout_rng=jax.random.key(0), impl="xla")
   with pytest.raises(ValueError, match="attention impl 'flash'"):
     attend(q, k, v, impl="flash")
   with pytest.raises(ValueError, match="attention_impl"):

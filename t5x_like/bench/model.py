@@ -17,6 +17,7 @@ The persistent compilation cache is switched off, so compile_seconds is a real c
 from __future__ import annotations
 
 import os
+import re
 import resource
 import statistics
 import time
@@ -30,6 +31,7 @@ import numpy as np
 from t5x_like.data.loader import make_loader
 from t5x_like.data.sources import EmbeddedCorpus
 from t5x_like.data.tokenize import build_store
+from t5x_like.models.attention_core import record_kernels
 from t5x_like.parallel import DEFAULT_RULES, mesh_from_config, shard_batch
 from t5x_like.plan.compiled import compile_train_step, xla_memory
 from t5x_like.train import flops as flops_lib
@@ -116,10 +118,26 @@ def tokens_per_step(batch_shapes: dict[str, tuple]) -> int:
              if name in batch_shapes)
 
 
+def _layer_groups(kernels: dict) -> dict:
+  """record_kernels' {module path: choice} with layer indices folded into 'layers_*':
+  {path: {kernel, reason, modules}} (a scanned stack is one module)."""
+  groups: dict = {}
+  for path, entry in sorted(kernels.items()):
+    key = re.sub(r"layers_\d+", "layers_*", path)
+    group = groups.setdefault(key, {"kernel": entry["kernel"], "reason": entry["reason"],
+                                    "modules": 0})
+    if (group["kernel"], group["reason"]) != (entry["kernel"], entry["reason"]):
+      group["kernel"], group["reason"] = "mixed", "layers differ"
+    group["modules"] += 1
+  return groups
+
+
 class TrainBench:
   """The compiled train step of a config with its state and device batches.
 
   compile_seconds: trace + lower + compile. step() runs one step and blocks.
+  attention_kernels: {attention: {kernel, reason, modules}} of the traced step.
+  losses: the loss of every step run.
   """
 
   def __init__(self, config: ml_collections.ConfigDict, batches=None):
@@ -140,18 +158,23 @@ class TrainBench:
                            rules=self.rules, state_shardings=shardings,
                            batch_shapes=self.batch_shapes)
     start = time.perf_counter()
-    self.compiled = step.lower(self.state, self.batches[0], self.rng).compile()
+    with record_kernels() as kernels:
+      lowered = step.lower(self.state, self.batches[0], self.rng)
+    self.compiled = lowered.compile()
     self.compile_seconds = time.perf_counter() - start
+    self.attention_kernels = _layer_groups(kernels)
     self.flops_per_step = flops_lib.train_flops_per_step(self.model.config, self.batch_shapes)
     self.tokens_per_step = tokens_per_step(self.batch_shapes)
     self._next = 0
     self.last_metrics = None
+    self.losses: list[float] = []
 
   def step(self) -> None:
     batch = self.batches[self._next % len(self.batches)]
     self._next += 1
     self.state, self.last_metrics = self.compiled(self.state, batch, self.rng)
     jax.block_until_ready((self.state, self.last_metrics))
+    self.losses.append(float(self.last_metrics["loss"]))
 
 
 def _decode_step(model, params, batch_shapes: dict[str, tuple]):
@@ -198,6 +221,7 @@ def bench_model(config: ml_collections.ConfigDict, *, steps: int = 10, warmup: i
       "model": config.model.preset, "family": cfg.family, "dtype": cfg.dtype,
       "layers": cfg.num_layers, "d_model": cfg.d_model, "params": bench.model.num_params(),
       "scan_layers": cfg.scan_layers, "remat_policy": cfg.remat_policy,
+      "attention_impl": cfg.attention_impl, "attention_kernels": bench.attention_kernels,
       "batch_shapes": {k: list(v) for k, v in bench.batch_shapes.items()},
       "optimizer": config.optimizer.name, "microbatches": config.train.microbatches,
       "device": device.device_kind, "platform": device.platform,
@@ -213,6 +237,7 @@ def bench_model(config: ml_collections.ConfigDict, *, steps: int = 10, warmup: i
           "tokens_per_step": bench.tokens_per_step,
           "model_flops_per_step": bench.flops_per_step,
           "loss": float(bench.last_metrics["loss"]),
+          "losses": [round(x, 5) for x in bench.losses],
           "xla_memory_per_device": xla_memory(bench.compiled),
       },
   }

@@ -1,48 +1,27 @@
 """Multi-head attention (MHA / MQA / GQA), masks, relative position bias and RoPE.
 
-Masks are boolean [B, 1, Q, K] (True = may attend). The softmax core is
-attention_core.attend (config.attention_impl: jax.nn.dot_product_attention, cuDNN
-flash attention, on GPU; an explicit bf16 kernel with a custom VJP elsewhere).
+Masks are boolean [B, 1, Q, K] (True = may attend) or their structure, masks.MaskSpec.
+The softmax core is attention_core.attend (config.attention_impl: cuDNN flash attention
+on GPU, Pallas flash attention on TPU, an explicit bf16 kernel with a custom VJP on CPU
+and wherever attention dropout must follow the step's dropout key).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from t5x_like.models.attention_core import attend
+from t5x_like.models.masks import MaskSpec
 from t5x_like.models.config import ModelConfig
 from t5x_like.models.layers import (DenseGeneral, compute_dtype, constrain, init_std,
                                     normal_init, param_with_axes)
 
 Array = jax.Array
-
-
-# ----------------------------------------------------------------------------- masks
-def attention_mask(key_valid_BxK: Array, *, query_segment_BxQ: Optional[Array] = None,
-                   key_segment_BxK: Optional[Array] = None, causal: bool = False,
-                   prefix_BxQ: Optional[Array] = None) -> Array:
-  """Boolean [B, 1, Q, K] mask.
-
-  key_valid: keys that exist (not padding). Segment ids (packing) restrict attention
-  to the same segment. causal: query i sees keys j <= i; prefix (prefix LM,
-  `decoder_causal_attention`) additionally lets prefix tokens see each other.
-  """
-  mask = key_valid_BxK.astype(bool)[:, None, None, :]
-  if query_segment_BxQ is not None:
-    mask = mask & (query_segment_BxQ[:, None, :, None] == key_segment_BxK[:, None, None, :])
-  if causal:  # self-attention: Q == K
-    k_len = key_valid_BxK.shape[1]
-    allowed = (jnp.arange(k_len)[:, None] >= jnp.arange(k_len)[None, :])[None, None]
-    if prefix_BxQ is not None:
-      prefix = prefix_BxQ.astype(bool)
-      allowed = allowed | (prefix[:, None, :, None] & prefix[:, None, None, :])
-    mask = mask & allowed
-  return mask
 
 
 # ------------------------------------------------------------- relative position bias
@@ -112,7 +91,7 @@ class MultiHeadAttention(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x_q: Array, x_kv: Array, mask: Optional[Array] = None,
+  def __call__(self, x_q: Array, x_kv: Array, mask: Union[Array, MaskSpec, None] = None,
                bias: Optional[Array] = None, positions_q: Optional[Array] = None,
                positions_kv: Optional[Array] = None,
                decode_index: Optional[Array] = None) -> Array:
@@ -146,13 +125,11 @@ class MultiHeadAttention(nn.Module):
 
     scale = 1.0 / math.sqrt(h) if cfg.scale_attention else 1.0
     rate = cfg.attention_dropout_rate
-    keep = None
+    dropout_rng = None
     if not self.deterministic and rate > 0.0:
-      shape = (q.shape[0], n, q.shape[1], k.shape[1])
-      keep = jax.random.bernoulli(self.make_rng("dropout"), 1.0 - rate, shape)
-      keep = keep.astype(dtype) / jnp.asarray(1.0 - rate, dtype)
-    out = attend(q, k, v, bias=bias, mask=mask, keep=keep, scale=scale,
-                 impl=cfg.attention_impl)
+      dropout_rng = self.make_rng("dropout")
+    out = attend(q, k, v, bias=bias, mask=mask, scale=scale, dropout_rate=rate,
+                 dropout_rng=dropout_rng, impl=cfg.attention_impl, name="/".join(self.path))
     out = constrain(out, ("batch", "length", "heads", "kv"))
     o_std = init_std(cfg, n * h, residual=True)
     return DenseGeneral(features=(d,), axes=("heads", "kv", "embed"), in_dims=2,

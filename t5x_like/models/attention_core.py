@@ -1,30 +1,43 @@
 """The attention core softmax(q k^T * scale + bias) v, with masks and dropout.
 
-  out_BxTxNxH = attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias=, mask=, keep=, scale=,
-                       impl="auto")
+  out_BxTxNxH = attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias=, mask=, scale=,
+                       dropout_rate=, dropout_rng=, impl="auto", name=)
 
-Two implementations:
-- "xla_sdpa": jax.nn.dot_product_attention (cuDNN flash attention on GPU where it
-  applies). It cannot apply dropout to the probabilities.
+Kernels (config.attention_impl; attention_kernels.py holds the fused ones):
 - "explicit": every matmul, forward and backward, is a 16-bit x 16-bit -> float32 product
   (a custom VJP, like layers.dot): plain autodiff of a float32-accumulating einsum
   upcasts the backward matmuls to float32, and XLA's generic attention lowering is slow
   on CPU. Softmax and its gradient run in float32; the probabilities are kept for the
-  backward pass in the compute dtype. Dropout multiplies the probabilities by `keep`.
-"auto" is xla_sdpa on GPU without dropout, explicit otherwise.
+  backward pass in the compute dtype ([B, N, T, S]). Dropout multiplies the
+  probabilities by a Bernoulli mask drawn from the step's dropout key. Any mask, bias,
+  dropout; the reference the others are tested against.
+- "xla": jax.nn.dot_product_attention's XLA lowering. No dropout.
+- "cudnn": cuDNN flash attention (GPU, bf16/fp16): a causal flag instead of a mask where
+  the mask is only causal, a [B, 1, T, S] mask otherwise, a bias with its gradient, and
+  dropout inside the kernel (its mask comes from cuDNN's generator, not from the dropout
+  key: a resumed run does not redraw the same masks).
+- "pallas": the Pallas flash-attention kernel for TPU (segment ids and a causal flag
+  for the mask, a bias with its gradient; no dropout); on CPU it runs in Pallas
+  interpret mode inside `pallas_interpret()` (tests).
+"auto" picks per backend and call (choose_kernel); `record_kernels()` collects each
+attention's choice and the reason for it while a model is traced (bench model prints it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
-from typing import Optional
+from typing import Iterator, Optional, Union
 
 import jax
 import jax.numpy as jnp
 
 Array = jax.Array
 
+from t5x_like.models import attention_kernels
 from t5x_like.models.config import ATTENTION_IMPLS as IMPLS
+from t5x_like.models.masks import MaskSpec
 
 _MASKED = jnp.finfo(jnp.float32).min * 0.7  # masked logits (finite: no inf - inf)
 
@@ -98,33 +111,127 @@ def _explicit_bwd(scale, residuals, g_BxTxNxH):
 _explicit.defvjp(_explicit_fwd, _explicit_bwd)
 
 
-def resolve_impl(impl: str, dropout: bool) -> str:
-  """The implementation `impl` stands for on this backend (see the module docstring)."""
+
+# ------------------------------------------------------------------- choice of kernel
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+  kernel: str  # explicit | xla | cudnn | pallas
+  reason: str
+
+
+def choose_kernel(impl: str, *, backend: str, dtype, head_dim: int, q_len: int, kv_len: int,
+                  dropout: bool) -> KernelChoice:
+  """The kernel `impl` runs as on `backend` for one attention call (module docstring).
+
+  Raises ValueError when an explicitly configured kernel cannot run this call.
+  """
   if impl not in IMPLS:
     raise ValueError(f"attention impl {impl!r}: expected one of {IMPLS}")
-  if impl == "auto":
-    return "xla_sdpa" if jax.default_backend() == "gpu" and not dropout else "explicit"
-  if impl == "xla_sdpa" and dropout:
-    raise ValueError("attention impl 'xla_sdpa' cannot apply attention dropout; use"
-                     " 'explicit' or 'auto'")
-  return impl
+  interpret = attention_kernels.pallas_interpreting()
+  cudnn_why = attention_kernels.cudnn_unsupported(backend, dtype, head_dim)
+  pallas_why = attention_kernels.pallas_unsupported(backend or "", q_len, kv_len, head_dim,
+                                                   interpret)
+  if impl == "explicit":
+    return KernelChoice("explicit", "configured")
+  if impl == "xla":
+    if dropout:
+      raise ValueError("attention_impl='xla' cannot apply attention dropout; use"
+                       " 'explicit', 'cudnn' (GPU) or 'auto'")
+    return KernelChoice("xla", "configured")
+  if impl == "cudnn":
+    if cudnn_why:
+      raise ValueError(f"attention_impl='cudnn': {cudnn_why}")
+    return KernelChoice("cudnn", "configured")
+  if impl == "pallas":
+    if pallas_why:
+      raise ValueError(f"attention_impl='pallas': {pallas_why}")
+    if dropout:
+      raise ValueError("attention_impl='pallas' cannot apply attention dropout; use"
+                       " 'explicit' or 'auto'")
+    return KernelChoice("pallas", "configured")
+  # auto
+  if backend == "gpu":
+    if dropout:
+      return KernelChoice("explicit", "attention dropout: the explicit kernel draws its mask"
+                          " from the step's dropout key (exact resume); set"
+                          " attention_impl='cudnn' for cuDNN's fused dropout")
+    if not cudnn_why:
+      return KernelChoice("cudnn", "GPU: cuDNN flash attention")
+    return KernelChoice("xla", f"GPU without cuDNN flash attention ({cudnn_why})")
+  if backend == "tpu" or interpret:
+    if dropout:
+      return KernelChoice("explicit", "attention dropout: the Pallas kernel has none")
+    if not pallas_why:
+      return KernelChoice("pallas", "TPU: Pallas flash attention")
+    return KernelChoice("explicit", f"TPU without the Pallas kernel ({pallas_why})")
+  return KernelChoice("explicit", f"{backend}: the explicit kernel (16-bit products)")
 
 
+def resolve_impl(impl: str, dropout: bool) -> str:
+  """The kernel `impl` stands for on this backend for a typical call."""
+  return choose_kernel(impl, backend=jax.default_backend(), dtype=jnp.bfloat16, head_dim=64,
+                       q_len=512, kv_len=512, dropout=dropout).kernel
+
+
+_RECORDS: list[dict] = []
+
+
+@contextlib.contextmanager
+def record_kernels() -> Iterator[dict]:
+  """Collects {attention name: {kernel, reason, calls}} of the attentions traced inside."""
+  found: dict = {}
+  _RECORDS.append(found)
+  try:
+    yield found
+  finally:
+    _RECORDS.remove(found)
+
+
+def _record(name: str, choice: KernelChoice) -> None:
+  for found in _RECORDS:
+    entry = found.setdefault(name, {"kernel": choice.kernel, "reason": choice.reason,
+                                    "traced_calls": 0})
+    entry["traced_calls"] += 1
+
+
+# ------------------------------------------------------------------------- attend
 def attend(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, *,
-           bias: Optional[Array] = None, mask: Optional[Array] = None,
-           keep: Optional[Array] = None, scale: float = 1.0, impl: str = "auto") -> Array:
+           bias: Optional[Array] = None, mask: Union[Array, MaskSpec, None] = None,
+           scale: float = 1.0, dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None,
+           keep: Optional[Array] = None, impl: str = "auto", name: str = "attention") -> Array:
   """Attention over S keys for T queries -> [B, T, N, H] in q's dtype.
 
   bias: [1 or B, N, T, S] added to the logits; mask: boolean [B, 1, T, S] (True = may
-  attend); keep: dropout multiplier [B, N, T, S] (0 or 1 / (1 - rate)) on the
-  probabilities, or None. Heads: N query heads over K = N / G key/value heads (GQA).
+  attend) or its MaskSpec. Dropout: `dropout_rate` with `dropout_rng` (None: no
+  dropout), or an explicit multiplier `keep` [B, N, T, S] (0 or 1 / (1 - rate); explicit
+  kernel only, for tests). Heads: N query heads over K = N / G key/value heads (GQA).
+  Query rows that may attend to no key give an unspecified finite value.
   """
   dtype = q_BxTxNxH.dtype
   k_BxSxKxH, v_BxSxKxH = k_BxSxKxH.astype(dtype), v_BxSxKxH.astype(dtype)
-  if resolve_impl(impl, keep is not None) == "xla_sdpa":
+  b, t, n, h = q_BxTxNxH.shape
+  s = k_BxSxKxH.shape[1]
+  dropout = keep is not None or (dropout_rate > 0.0 and dropout_rng is not None)
+  choice = choose_kernel(impl, backend=jax.default_backend(), dtype=dtype, head_dim=h,
+                         q_len=t, kv_len=s, dropout=dropout)
+  if keep is not None and choice.kernel != "explicit":
+    raise ValueError("attend: an explicit dropout multiplier `keep` needs impl='explicit'")
+  _record(name, choice)
+  if choice.kernel == "cudnn":
+    return attention_kernels.cudnn_attention(
+        q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias=bias, mask=mask, scale=scale,
+        dropout_rate=dropout_rate if dropout else 0.0)
+  if choice.kernel == "pallas":
+    return attention_kernels.pallas_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias=bias,
+                                              mask=mask, scale=scale)
+  dense = mask.dense() if isinstance(mask, MaskSpec) else mask
+  if choice.kernel == "xla":
     return jax.nn.dot_product_attention(
-        q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask, scale=scale,
+        q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=dense, scale=scale, implementation="xla",
         bias=None if bias is None else bias.astype(dtype))
-  if mask is not None:
-    mask = mask.astype(bool)
-  return _explicit(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias, mask, keep, scale)
+  if dense is not None:
+    dense = dense.astype(bool)
+  if keep is None and dropout:
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, (b, n, t, s))
+    keep = keep.astype(dtype) / jnp.asarray(1.0 - dropout_rate, dtype)
+  return _explicit(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias, dense, keep, scale)

@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from t5x_like.models.attention import attention_mask
+from t5x_like.models.masks import mask_spec
 from t5x_like.models.config import ModelConfig
 from t5x_like.models.layers import (DenseGeneral, Embed, activation, compute_dtype, constrain,
                                     init_std, make_norm, normal_init)
@@ -28,11 +28,11 @@ def _positions(batch: Batch, key: str, tokens: Array) -> Array:
 
 
 def _encoder_mask(batch: Batch) -> Array:
-  """Bidirectional [B, 1, L, L] mask: real tokens (or packed segments) see their own."""
+  """Bidirectional [B, 1, L, L] MaskSpec: real tokens (or packed segments) see their own."""
   tokens = batch["encoder_input_tokens"]
   segments = batch.get("encoder_segment_ids")
-  return attention_mask(tokens > 0 if segments is None else segments > 0,
-                        query_segment_BxQ=segments, key_segment_BxK=segments)
+  return mask_spec(tokens > 0 if segments is None else segments > 0, q_len=tokens.shape[1],
+                   query_segment_BxQ=segments, key_segment_BxK=segments)
 
 
 def _decoder_positions_and_mask(module: nn.Module, batch: Batch):
@@ -51,9 +51,10 @@ def _decoder_positions_and_mask(module: nn.Module, batch: Batch):
                        key_valid_BxT=None if segments is None else segments > 0,
                        positions_BxT=batch.get("decoder_positions"))
   segments = batch.get("decoder_segment_ids")
-  mask = attention_mask(jnp.ones_like(tokens) if segments is None else segments > 0,
-                        query_segment_BxQ=segments, key_segment_BxK=segments, causal=True,
-                        prefix_BxQ=batch.get("decoder_causal_attention"))
+  batch_size, length = tokens.shape
+  mask = mask_spec(None if segments is None else segments > 0, q_len=length, kv_len=length,
+                   batch=batch_size, query_segment_BxQ=segments, key_segment_BxK=segments,
+                   causal=True, prefix_BxQ=batch.get("decoder_causal_attention"))
   return None, _positions(batch, "decoder_positions", tokens), mask
 
 
@@ -212,10 +213,10 @@ class EncoderDecoderModule(nn.Module):
     decode_index, positions, mask = _decoder_positions_and_mask(self, batch)
     cross_valid = enc_tokens > 0 if enc_segments is None else enc_segments > 0
     if segments is not None and enc_segments is not None:
-      cross_mask = attention_mask(cross_valid, query_segment_BxQ=segments,
-                                  key_segment_BxK=enc_segments)
+      cross_mask = mask_spec(cross_valid, query_segment_BxQ=segments,
+                             key_segment_BxK=enc_segments)
     else:
-      cross_mask = attention_mask(cross_valid)
+      cross_mask = mask_spec(cross_valid, q_len=tokens.shape[1])
     x = self.decoder(self._embed(tokens, positions), mask, positions, encoded, cross_mask,
                      decode_index)
     return _output_logits(self.config, self.token_embed, self.logits_dense, x)

@@ -1,0 +1,241 @@
+"""Every attention kernel against a plain float32 reference attention.
+
+The reference is written here from the definition softmax(q k^T * scale + bias) v
+(autodiffed by JAX, GQA by repeating key/value heads); the kernels are
+t5x_like.models.attention_core's explicit and XLA paths and the Pallas TPU flash kernel in
+Pallas interpret mode. cuDNN needs a GPU: `t5x-like bench attention` checks it there
+with the same comparisons (tests/test_bench_attention.py runs that command on CPU).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t5x_like import models
+from t5x_like.models import attention_core
+from t5x_like.models.attention_core import attend, choose_kernel, record_kernels
+from t5x_like.models.attention_kernels import pallas_interpret
+from t5x_like.models.masks import mask_spec
+
+B, T, N, H = 2, 128, 4, 16
+
+
+def reference(q, k, v, bias, dense_mask, scale, keep=None):
+  rep = q.shape[2] // k.shape[2]
+  kr, vr = jnp.repeat(k, rep, 2), jnp.repeat(v, rep, 2)
+  logits = jnp.einsum("btnh,bsnh->bnts", q, kr, precision="highest") * scale
+  if bias is not None:
+    logits = logits + bias
+  probs = jax.nn.softmax(jnp.where(dense_mask, logits, -1e30), axis=-1)
+  if keep is not None:
+    probs = probs * keep
+  return jnp.einsum("bnts,bsnh->btnh", probs, vr, precision="highest")
+
+
+def _masks(rng):
+  """name -> MaskSpec over [B, T] rows: padding, packing, causal, causal packing, prefix."""
+  lengths = np.array([T, 77])
+  valid = np.arange(T)[None, :] < lengths[:, None]
+  segments = np.where(valid, 1 + (np.arange(T)[None, :] >= 50), 0).astype(np.int32)
+  segments[1, 20:40] = 3
+  prefix = (np.arange(T)[None, :] < np.array([30, 64])[:, None]).astype(np.int32)
+  return {
+      "padding": mask_spec(jnp.asarray(valid), q_len=T),
+      "packing": mask_spec(jnp.asarray(segments > 0), query_segment_BxQ=jnp.asarray(segments),
+                           key_segment_BxK=jnp.asarray(segments)),
+      "causal": mask_spec(None, q_len=T, kv_len=T, batch=B, causal=True),
+      "causal_packing": mask_spec(jnp.asarray(segments > 0),
+                                  query_segment_BxQ=jnp.asarray(segments),
+                                  key_segment_BxK=jnp.asarray(segments), causal=True),
+      "prefix": mask_spec(None, q_len=T, kv_len=T, batch=B, causal=True,
+                          prefix_BxQ=jnp.asarray(prefix)),
+  }
+
+
+def _inputs(kv_heads=2, seed=0):
+  rng = np.random.RandomState(seed)
+  q = rng.randn(B, T, N, H).astype(np.float32)
+  k = rng.randn(B, T, kv_heads, H).astype(np.float32)
+  v = rng.randn(B, T, kv_heads, H).astype(np.float32)
+  bias = rng.randn(1, N, T, T).astype(np.float32)
+  cot = rng.randn(B, T, N, H).astype(np.float32)
+  return q, k, v, bias, cot
+
+
+def _value_and_grads(fn, q, k, v, bias, cot, rows):
+  """(out, dq, dk, dv, dbias) of sum(fn(...) * cot) over query rows that see a key."""
+  weights = cot * rows[:, :, None, None]
+
+  def loss(q, k, v, bias):
+    out = fn(q, k, v, bias)
+    return jnp.sum(out.astype(jnp.float32) * weights), out
+  (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, bias)
+  return (np.asarray(out, np.float32) * rows[:, :, None, None],
+          *[np.asarray(g, np.float32) for g in grads])
+
+
+def _compare(impl, mask_name, dtype, tolerance):
+  q, k, v, bias, cot = _inputs()
+  spec = _masks(None)[mask_name]
+  dense = spec.dense()
+  rows = np.asarray(dense.any(-1)[:, 0], np.float32)  # [B, T]: queries that see a key
+  cast = lambda x: jnp.asarray(x, dtype)
+  ours = lambda q, k, v, bias: attend(cast(q), cast(k), cast(v), bias=bias, mask=spec,
+                                      scale=H ** -0.5, impl=impl)
+  ref = lambda q, k, v, bias: reference(q, k, v, bias, dense, H ** -0.5)
+  got = _value_and_grads(ours, q, k, v, bias, cot, rows)
+  want = _value_and_grads(ref, q, k, v, bias, cot, rows)
+  for name, g, w in zip(("out", "dq", "dk", "dv", "dbias"), got, want):
+    scale = np.abs(w).max()
+    assert scale > 0, name
+    err = np.abs(g - w).max() / scale
+    assert err <= tolerance, f"{impl} {mask_name} {dtype.__name__}: {name} off by {err:.2e}"
+
+
+MASKS = ("padding", "packing", "causal", "causal_packing", "prefix")
+
+
+@pytest.mark.parametrize("mask_name", MASKS)
+@pytest.mark.parametrize("impl", ["explicit", "xla"])
+def test_xla_and_explicit_float32(impl, mask_name):
+  _compare(impl, mask_name, jnp.float32, 1e-5)
+
+
+@pytest.mark.parametrize("mask_name", MASKS)
+def test_pallas_float32_in_interpret_mode(mask_name):
+  with pallas_interpret():
+    _compare("pallas", mask_name, jnp.float32, 1e-5)
+
+
+@pytest.mark.parametrize("impl", ["explicit", "xla", "pallas"])
+def test_bfloat16_within_rounding(impl):
+  """bf16 inputs: every value and gradient within bf16 rounding (3e-2 of the largest
+  entry: ~4 roundings of 2^-8) of the float32 reference."""
+  with pallas_interpret():
+    _compare(impl, "causal_packing", jnp.bfloat16, 3e-2)
+
+
+def test_explicit_dropout_follows_its_key_and_its_rate():
+  """Dropout by rate and key == the fixed-mask reference with the mask the kernel
+  draws (bernoulli(key, 1 - rate, [B, N, T, S]) / (1 - rate)); over many rows the dropped
+  fraction is the rate (4 sigma) and the output is unbiased."""
+  q, k, v, bias, _ = _inputs(kv_heads=N, seed=3)
+  spec = _masks(None)["padding"]
+  rate, key = 0.25, jax.random.key(7)
+  out = attend(q, k, v, bias=bias, mask=spec, scale=H ** -0.5, dropout_rate=rate,
+               dropout_rng=key, impl="explicit")
+  keep = jax.random.bernoulli(key, 1 - rate, (B, N, T, T)) / (1 - rate)
+  want = reference(q, k, v, bias, spec.dense(), H ** -0.5, keep=keep)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5)
+  # statistics: v = one-hot key index, so out[b, t, n, s] = probs * keep for each key s
+  eye = jnp.broadcast_to(jnp.eye(T, dtype=jnp.float32)[None, :, None, :], (B, T, N, T))
+  qh = jnp.broadcast_to(q[..., :1], q.shape)  # H = 16 <= T: pad head dim up to T below
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, T - H)))
+  dropped = attend(pad(qh), pad(k), eye, mask=spec, scale=0.1, dropout_rate=rate,
+                   dropout_rng=key, impl="explicit")
+  clean = attend(pad(qh), pad(k), eye, mask=spec, scale=0.1, impl="explicit")
+  visible = np.asarray(jnp.broadcast_to(spec.dense()[:, 0, :, None, :], dropped.shape))
+  zero = np.asarray(dropped == 0)[visible]
+  n = zero.size
+  assert abs(zero.mean() - rate) < 4 * np.sqrt(rate * (1 - rate) / n)
+  ratio = np.asarray(dropped).sum() / np.asarray(clean).sum()
+  assert abs(ratio - 1) < 0.01, ratio
+  again = attend(q, k, v, bias=bias, mask=spec, scale=H ** -0.5, dropout_rate=rate,
+                 dropout_rng=jax.random.key(8), impl="explicit")
+  assert np.abs(np.asarray(again) - np.asarray(out)).max() > 1e-3
+
+
+@pytest.mark.parametrize("backend, dtype, dropout, length, want", [
+    ("cpu", jnp.bfloat16, False, 512, "explicit"),
+    ("cpu", jnp.float32, True, 512, "explicit"),
+    ("gpu", jnp.bfloat16, False, 512, "cudnn"),
+    ("gpu", jnp.float32, False, 512, "xla"),  # cuDNN flash attention is 16-bit only
+    ("gpu", jnp.bfloat16, True, 512, "explicit"),  # dropout from the step's key
+    ("tpu", jnp.bfloat16, False, 512, "pallas"),
+    ("tpu", jnp.bfloat16, False, 114, "explicit"),  # not a multiple of the 128 block
+    ("tpu", jnp.bfloat16, True, 512, "explicit"),
+])
+def test_auto_picks_per_backend(backend, dtype, dropout, length, want):
+  choice = choose_kernel("auto", backend=backend, dtype=dtype, head_dim=64, q_len=length,
+                         kv_len=length, dropout=dropout)
+  assert choice.kernel == want, choice
+  assert choice.reason
+
+
+@pytest.mark.parametrize("impl, backend, dtype, dropout, message", [
+    ("cudnn", "cpu", jnp.bfloat16, False, "needs a GPU"),
+    ("cudnn", "gpu", jnp.float32, False, "bfloat16 or float16"),
+    ("pallas", "cpu", jnp.bfloat16, False, "needs a TPU"),
+    ("pallas", "tpu", jnp.bfloat16, True, "cannot apply attention dropout"),
+    ("xla", "gpu", jnp.bfloat16, True, "cannot apply attention dropout"),
+])
+def test_configured_kernel_that_cannot_run_says_why(impl, backend, dtype, dropout, message):
+  with pytest.raises(ValueError, match=message):
+    choose_kernel(impl, backend=backend, dtype=dtype, head_dim=64, q_len=512, kv_len=512,
+                  dropout=dropout)
+  assert choose_kernel("cudnn", backend="gpu", dtype=jnp.bfloat16, head_dim=64, q_len=512,
+                       kv_len=512, dropout=True).kernel == "cudnn"  # fused dropout
+
+
+_TINY = {
+    "t5": ("t5-v1_1-small", dict(vocab_size=64, d_model=64, num_heads=4, head_dim=16,
+                                 d_ff=128, num_layers=1, num_decoder_layers=1)),
+    "gpt2": ("gpt2-124m", dict(vocab_size=64, d_model=64, num_heads=4, d_ff=128,
+                               num_layers=1, max_position_embeddings=T)),
+}
+
+
+def _tiny(family, **overrides):
+  name, shape = _TINY[family]
+  return models.build_model(models.preset(name, dtype="float32", dropout_rate=0.0,
+                                          attention_dropout_rate=0.0,
+                                          **{**shape, **overrides}))
+
+
+def _loss_and_grads(model, params, batch):
+  fn = jax.jit(jax.value_and_grad(lambda p: model.loss_fn(p, batch, None)[0]))
+  return fn(params)
+
+
+@pytest.mark.parametrize("family", ["t5", "gpt2"])
+def test_model_loss_and_grads_with_pallas_equal_explicit(family):
+  """A whole model (T5: relative bias, cross attention, causal decoder; GPT-2 packed
+  rows) gives the same loss and gradients through the Pallas kernel as through the
+  explicit one (float32, interpret mode)."""
+  explicit = _tiny(family, attention_impl="explicit")
+  pallas = _tiny(family, attention_impl="pallas")
+  rng = np.random.RandomState(0)
+  tokens = lambda: jnp.asarray(rng.randint(2, 50, (B, T)), jnp.int32)
+  segments = jnp.asarray(np.where(np.arange(T) < 70, 1, 2)[None].repeat(B, 0), jnp.int32)
+  if explicit.config.family == "encoder_decoder":
+    batch = {"encoder_input_tokens": tokens().at[1, 100:].set(0),
+             "decoder_input_tokens": tokens(), "decoder_target_tokens": tokens(),
+             "decoder_loss_weights": jnp.ones((B, T), jnp.float32)}
+  else:
+    batch = {"decoder_input_tokens": tokens(), "decoder_target_tokens": tokens(),
+             "decoder_segment_ids": segments, "decoder_positions": jnp.asarray(
+                 np.where(np.arange(T) < 70, np.arange(T), np.arange(T) - 70)[None].repeat(B, 0)),
+             "decoder_loss_weights": jnp.ones((B, T), jnp.float32)}
+  params = explicit.init(jax.random.key(0), {k: v.shape for k, v in batch.items()})
+  want_loss, want_grads = _loss_and_grads(explicit, params, batch)
+  with pallas_interpret(), record_kernels() as kernels:
+    got_loss, got_grads = _loss_and_grads(pallas, params, batch)
+  assert {entry["kernel"] for entry in kernels.values()} == {"pallas"}, kernels
+  np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+  for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5,
+                               rtol=1e-4)
+
+
+def test_record_kernels_names_each_attention():
+  model = _tiny("t5", num_layers=2, num_decoder_layers=2, attention_impl="auto")
+  batch = {"encoder_input_tokens": jnp.ones((1, 8), jnp.int32),
+           "decoder_input_tokens": jnp.ones((1, 8), jnp.int32)}
+  with record_kernels() as kernels:
+    model.param_shapes({k: v.shape for k, v in batch.items()})
+  names = sorted(kernels)
+  assert any("encoder" in n and "self_attention" in n for n in names), names
+  assert any("cross_attention" in n for n in names), names
+  assert all(entry["kernel"] == "explicit" for entry in kernels.values())
+  assert attention_core.resolve_impl("auto", False) == "explicit"  # this is a CPU
