@@ -61,10 +61,11 @@ def config_vocab(config, *, shapes_only: bool = False) -> Vocabulary:
 
 
 def build_model_from_config(config, vocab_size: int):
-  """The model of config.model (preset, dtype, scan, remat, overrides) for `vocab_size`
-  ids; model.overrides.vocab_size, when set, wins."""
+  """The model of config.model (preset, dtype, scan, remat, attention kernel, overrides)
+  for `vocab_size` ids; model.overrides.vocab_size, when set, wins."""
   overrides = dict(dtype=config.model.dtype, scan_layers=config.model.scan_layers,
-                   remat_policy=config.model.remat_policy, vocab_size=vocab_size)
+                   remat_policy=config.model.remat_policy, vocab_size=vocab_size,
+                   attention_impl=config.model.get("attention_impl", "auto"))
   overrides.update(config.model.overrides)
   return build_model(preset(config.model.preset, **overrides))
 

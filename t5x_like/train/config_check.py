@@ -27,7 +27,9 @@ from t5x_like.data.pipeline import OBJECTIVES
 from t5x_like.errors import UserError
 from t5x_like.experiment import phase_configs
 from t5x_like.models import build_model
-from t5x_like.models.config import DTYPES, PRESETS, REMAT_POLICIES, ModelConfig, preset
+from t5x_like.models.attention_core import choose_kernel
+from t5x_like.models.config import (ATTENTION_IMPLS, DTYPES, PRESETS, REMAT_POLICIES,
+                                    ModelConfig, preset)
 from t5x_like.models.model import MODEL_CLASSES
 from t5x_like.parallel.mesh import MESH_AXES, config_axis_sizes
 from t5x_like.train.defaults import default_config
@@ -127,13 +129,15 @@ def _check_model(config, vocab_size: Optional[int]) -> ModelConfig:
   _choice("model.preset", m.preset, PRESETS)
   _choice("model.dtype", m.dtype, DTYPES)
   _choice("model.remat_policy", m.remat_policy, REMAT_POLICIES)
+  _choice("model.attention_impl", m.get("attention_impl", "auto"), ATTENTION_IMPLS)
   overrides = dict(m.overrides)
   fields = {f.name for f in dataclasses.fields(ModelConfig)}
   for key in overrides:
     if key not in fields:
       raise ConfigError(f"model.overrides.{key}: not a ModelConfig field; known:"
                         f" {sorted(fields)}")
-  base = dict(dtype=m.dtype, scan_layers=m.scan_layers, remat_policy=m.remat_policy)
+  base = dict(dtype=m.dtype, scan_layers=m.scan_layers, remat_policy=m.remat_policy,
+              attention_impl=m.get("attention_impl", "auto"))
   if vocab_size is not None:
     base["vocab_size"] = vocab_size
   try:
@@ -141,6 +145,12 @@ def _check_model(config, vocab_size: Optional[int]) -> ModelConfig:
     cfg.validate()
   except (ValueError, TypeError) as e:
     raise ConfigError(f"model (preset {m.preset!r} with model.overrides): {e}") from None
+  try:  # a configured fused kernel must run here (auto always can)
+    choose_kernel(cfg.attention_impl, backend=jax.default_backend(), dtype=cfg.dtype,
+                  head_dim=cfg.dim_per_head, q_len=config.data.length,
+                  kv_len=config.data.length, dropout=cfg.attention_dropout_rate > 0)
+  except ValueError as e:
+    raise ConfigError(f"model.{e}") from None
   return cfg
 
 

@@ -21,6 +21,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.model.dtype = "float32"  # compute dtype (params stay float32): float32 | bfloat16
   c.model.scan_layers = False
   c.model.remat_policy = "none"  # none | full | dots | dots_no_batch
+  # auto | explicit | xla | cudnn | pallas: the attention kernel (models/attention_core.py;
+  # auto picks per backend, `t5x-like bench model` prints each attention's choice)
+  c.model.attention_impl = "auto"
 
   # Data (t5x_like.data): source spec, vocabulary, objective and lengths.
   c.data = ml_collections.ConfigDict()
