@@ -14,7 +14,7 @@ trap 'rm -f "$out"' EXIT
 
 step "every command answers --help"
 for cmd in train plan infer finetune models vocab "vocab train" task "task books" bench \
-           "bench data" "bench model" "bench compile" "bench bert-vs-torch"; do
+           "bench data" "bench model" "bench compile" "bench peer" "bench bert-vs-torch"; do
   # shellcheck disable=SC2086
   $T $cmd --help > "$out"
 done

@@ -1,6 +1,6 @@
 """The `t5x-like` command: one entry point for every subcommand.
 
-train, plan, infer, finetune and bench model/compile/bert-vs-torch take absl flags with
+train, plan, infer, finetune and bench model/compile/peer/bert-vs-torch take absl flags with
 `--config FILE[:ARG]` and `--config.KEY=VALUE` overrides (t5x_like/command_flags.py);
 models, vocab, task and bench data take argparse options. All of them answer -h/--help
 with their flags and report a user error (t5x_like/errors.py) in one line with exit
@@ -73,6 +73,8 @@ FLAG_COMMANDS = {
 BENCH_FLAG_COMMANDS = {
     "model": "compile and time the train step (and a decode step) of a config",
     "compile": "compile time of the train step at several depths (--layers 6,12,24)",
+    "peer": "our train step against transformers' PyTorch model (BERT, GPT-2), eager and"
+            " compiled",
     "bert-vs-torch": "our BERT step against transformers' BertForPreTraining",
 }
 
@@ -107,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
   books.add_argument("--block_words", type=int, default=500)
   books.add_argument("--passage_words", type=int, default=32)
   books.set_defaults(fn=_cmd_task_books)
-  bench = sub.add_parser("bench", help="benchmarks: data, model, compile, bert-vs-torch"
+  bench = sub.add_parser("bench", help="benchmarks: data, model, compile, peer, bert-vs-torch"
                          ).add_subparsers(dest="what", required=True, metavar="BENCHMARK")
   data = bench.add_parser("data", help=_cmd_bench_data.__doc__)
   data.add_argument("--objective", required=True, choices=sorted(OBJECTIVES))

@@ -1,7 +1,8 @@
-"""`t5x-like bench model | compile | bert-vs-torch` on tiny configs: the JSON is
-consistent with itself, its FLOP count agrees with a hand count from the model
-dimensions and with the matmuls of the traced training step, every family runs, bad
-input exits 2. (Speed itself is measured by the benchmarks, never asserted in tests.)"""
+"""`t5x-like bench model | compile | bert-vs-torch` on tiny configs (`bench peer`:
+test_bench_peer.py): the JSON is consistent with itself, its FLOP count agrees with a
+hand count from the model dimensions and with the matmuls of the traced training step,
+every family runs, bad input exits 2. (Speed itself is measured by the benchmarks,
+never asserted in tests.)"""
 
 import json
 import math
@@ -11,11 +12,9 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from t5x_like import cli
-from t5x_like.bench.torch_bert import torch_inputs
 from t5x_like.train.defaults import load_config_file
 from t5x_like.experiment import build_model_from_config, config_vocab
 
@@ -139,24 +138,6 @@ def test_bench_model_reports_consistent_figures(capsys, config, decode):
         8 / out["decode"]["step_seconds_median"], rel=5e-3)
 
 
-def test_torch_inputs_put_mlm_targets_at_their_positions():
-  """BertForPreTraining labels: our targets at mlm_positions where the weight is 1,
-  -100 (ignored) everywhere else, padded prediction slots included."""
-  batch = {"encoder_input_tokens": np.array([[2, 7, 5, 9, 3, 0], [2, 8, 8, 3, 0, 0]]),
-           "encoder_type_ids": np.zeros((2, 6), np.int32),
-           "mlm_positions": np.array([[1, 3, 0], [2, 0, 0]]),
-           "mlm_targets": np.array([[11, 12, 0], [13, 0, 0]]),
-           "mlm_weights": np.array([[1, 1, 0], [1, 0, 0]]),
-           "nsp_labels": np.array([1, 0])}
-  inputs = torch_inputs(batch)
-  np.testing.assert_array_equal(inputs["labels"].numpy(),
-                                [[-100, 11, -100, 12, -100, -100],
-                                 [-100, -100, 13, -100, -100, -100]])
-  np.testing.assert_array_equal(inputs["attention_mask"].numpy(),
-                                [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]])
-  np.testing.assert_array_equal(inputs["next_sentence_label"].numpy(), [1, 0])
-
-
 def test_bench_compile_reports_each_depth(capsys):
   code, out, err = _run(capsys, ["bench", "compile", *_TINY_BERT, "--layers", "1,3"])
   assert code == 0, err
@@ -172,9 +153,15 @@ def test_bench_bert_vs_torch_runs_both_frameworks(capsys):
   assert code == 0, err
   for name in ("ours_bfloat16", "ours_float32", "torch_bfloat16", "torch_float32"):
     assert len(out[name]["step_seconds"]) == 2
-    # One step of training from random init on the same batches: both losses near ln(V)
-    # plus ln(2) (MLM + NSP).
+    # A few steps of training from random init on the same batches: both losses near
+    # ln(V) plus ln(2) (MLM + NSP).
     assert 3.0 < out[name]["last_loss"] < 15.0
+  # Both frameworks start from our initial weights: the same first loss (float32 to
+  # rounding, the bf16 autocast and our bf16 matmuls within their precision).
+  assert out["torch_float32"]["first_loss"] == pytest.approx(out["ours_float32"]["first_loss"],
+                                                             rel=1e-5)
+  assert out["torch_bfloat16"]["first_loss"] == pytest.approx(
+      out["ours_bfloat16"]["first_loss"], rel=1e-2)
   ratio = out["ours_bfloat16"]["tokens_per_second"] / out["torch_bfloat16"]["tokens_per_second"]
   assert out["ratios"]["ours_bfloat16_over_torch_bfloat16"] == pytest.approx(ratio, rel=1e-2)
 

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints: `model, params = load(path)` and `save(model, params, path)`.
+"""Hugging Face checkpoints: `model, params = load(path)` and `save(model, params, path)`;
+`export(model, params)` gives what save writes, in memory (`config_json(model)` its config).
 
 Supported: BertForPreTraining, GPT2LMHeadModel, T5ForConditionalGeneration (v1.0 and
 v1.1), as local directories with config.json and model.safetensors (or a sharded
@@ -11,13 +12,14 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 
 from t5x_like.hf import bert, gpt2, t5
 from t5x_like.hf.io import CheckpointError, Weights, read_config, write_checkpoint
 from t5x_like.hf.mapping import export_params, import_params
 from t5x_like.models.model import Model, build_model
 
-__all__ = ["CheckpointError", "load", "save"]
+__all__ = ["CheckpointError", "config_json", "export", "load", "save"]
 
 _BY_MODEL_TYPE = {"bert": bert, "gpt2": gpt2, "t5": t5}
 
@@ -48,13 +50,29 @@ def load(path: str, **config_overrides) -> tuple[Model, Any]:
   return build_model(config), params
 
 
-def save(model: Model, params: Any, path: str) -> None:
-  """Writes `path`/config.json and model.safetensors that transformers' from_pretrained loads."""
-  config = model.config
+def export(model: Model, params: Any) -> tuple[dict, dict[str, np.ndarray]]:
+  """(config.json as a dict, {Hugging Face tensor name: array}) of our model and params:
+  what `save` writes. Tied copies (BERT's MLM decoder, GPT-2's lm_head) are left out."""
+  family = _family_of(model)
+  tensors = export_params(model.config, jax.device_get(params), family.spec)
+  return family.config_to_hf(model.config), tensors
+
+
+def config_json(model: Model) -> dict:
+  """config.json (as a dict) of our model as a Hugging Face checkpoint."""
+  return _family_of(model).config_to_hf(model.config)
+
+
+def _family_of(model: Model):
+  """The hf module of our model's type; ValueError when the config has no HF twin."""
   if model.hf_model_type not in _BY_MODEL_TYPE:
     raise ValueError(f"{type(model).__name__} has no Hugging Face model type to save as"
                      f" (supported: {sorted(_BY_MODEL_TYPE)})")
   family = _BY_MODEL_TYPE[model.hf_model_type]
-  family.check_config(config)
-  tensors = export_params(config, jax.device_get(params), family.spec)
-  write_checkpoint(path, family.config_to_hf(config), tensors)
+  family.check_config(model.config)
+  return family
+
+
+def save(model: Model, params: Any, path: str) -> None:
+  """Writes `path`/config.json and model.safetensors that transformers' from_pretrained loads."""
+  write_checkpoint(path, *export(model, params))
