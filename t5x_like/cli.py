@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
   books.add_argument("--block_words", type=int, default=500)
   books.add_argument("--passage_words", type=int, default=32)
   books.set_defaults(fn=_cmd_task_books)
+  data_cmd = sub.add_parser("data", help="prepare corpora").add_subparsers(
+      dest="which", required=True, metavar="STEP")
+  data_cmd.add_parser("prepare", add_help=False,
+                      help="tokenize a config's source once with Apache Beam into a prepared"
+                      " corpus: --config FILE[:ARG] --out DIR [--runner ...]")
   bench = sub.add_parser("bench", help="benchmarks: data, model, compile, peer, bert-vs-torch"
                          ).add_subparsers(dest="what", required=True, metavar="BENCHMARK")
   data = bench.add_parser("data", help=_cmd_bench_data.__doc__)
@@ -166,6 +171,9 @@ def main(argv=None) -> int:
 
 
 def _dispatch(argv: list[str]) -> int:
+  if argv[:2] == ["data", "prepare"]:
+    from t5x_like.data import prepare
+    return prepare.main(argv[2:])
   if argv[:1] and argv[0] in FLAG_COMMANDS:
     module = importlib.import_module(FLAG_COMMANDS[argv[0]][0])
     return module.main(argv[1:])

@@ -87,7 +87,8 @@ def build_data(config, workdir: str):
     train_store = store
     eval_store, _ = build_store(source_from_spec(data.eval_source), vocab, cache_dir=cache_dir)
   else:
-    train_store, eval_store = split_held_out(store, data.eval_fraction)
+    train_store, eval_store = split_held_out(store, data.eval_fraction,
+                                             stats.get("source_documents"))
   return (vocab, build_objective(config, train_store, vocab, seed=config.seed),
           build_objective(config, eval_store, vocab, seed=config.seed + 1), stats)
 

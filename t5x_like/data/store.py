@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
+from typing import Optional
 
 import numpy as np
 
@@ -23,12 +24,16 @@ class TokenStore:
   tokens: [N] int32, every sentence of every document back to back.
   sentence_offsets: [S + 1] int64; sentence s is tokens[sentence_offsets[s]:sentence_offsets[s+1]].
   doc_sentences: [D + 1] int64; document d is sentences doc_sentences[d] .. doc_sentences[d+1]-1.
+  doc_source: [D] int64, each document's index in its source (unusable source documents
+  are skipped), or None: 0 .. D-1.
   Every document has at least one sentence and every sentence at least one token.
+  The arrays may be numpy memory maps or other random-access arrays (data/prepared.py).
   """
 
   tokens: np.ndarray
   sentence_offsets: np.ndarray
   doc_sentences: np.ndarray
+  doc_source: Optional[np.ndarray] = None
 
   def __post_init__(self):
     if self.sentence_offsets[0] != 0 or self.sentence_offsets[-1] != len(self.tokens):
@@ -56,6 +61,9 @@ class TokenStore:
   def doc_tokens(self, d: int) -> np.ndarray:
     offsets = self.doc_offsets
     return self.tokens[offsets[d]:offsets[d + 1]]
+
+  def source_index(self, d: int) -> int:
+    return d if self.doc_source is None else int(self.doc_source[d])
 
   def sentence(self, s: int) -> np.ndarray:
     return self.tokens[self.sentence_offsets[s]:self.sentence_offsets[s + 1]]
@@ -92,7 +100,9 @@ class TokenStore:
     try:
       with tmp.open("wb") as f:
         np.savez(f, tokens=self.tokens, sentence_offsets=self.sentence_offsets,
-                 doc_sentences=self.doc_sentences)
+                 doc_sentences=self.doc_sentences,
+                 doc_source=(np.arange(self.num_docs, dtype=np.int64)
+                             if self.doc_source is None else self.doc_source))
       tmp.replace(path)
     except BaseException:  # a failed write or rename leaves no partial file behind
       tmp.unlink(missing_ok=True)
@@ -101,29 +111,58 @@ class TokenStore:
   @classmethod
   def load(cls, path: PathLike) -> "TokenStore":
     with resolve_path(path, "token store").open("rb") as fh, np.load(fh) as f:
-      return cls(f["tokens"], f["sentence_offsets"], f["doc_sentences"])
+      return cls(f["tokens"], f["sentence_offsets"], f["doc_sentences"], f["doc_source"])
 
 
-def split_held_out(store: TokenStore, fraction: float) -> tuple[TokenStore, TokenStore]:
-  """(train, held-out) stores; nothing is in both.
+@dataclasses.dataclass(frozen=True)
+class HeldOutRule:
+  """Which documents (or sentences) of a source are held out, by source position.
 
-  With 100 or more documents, every round(1 / fraction)-th document is held out.
-  With fewer (the embedded corpus has 8 books), the last `fraction` of the sentences
-  of every document is held out, so each book contributes passages to both.
+  With 100 or more source documents, every round(1 / fraction)-th one (by its index in
+  the source) is held out. With fewer (the embedded corpus has 8 books), the last
+  `fraction` of the sentences of every document is held out, so each book contributes
+  passages to both. One rule for the in-memory split and `t5x-like data prepare`.
   """
-  if not 0.0 < fraction < 1.0:
-    raise ValueError(f"held-out fraction={fraction}: must be in (0, 1)")
-  sentences = lambda d, lo, hi: [store.sentence(s) for s in range(lo, hi)]
+
+  fraction: float
+  num_source_docs: int
+
+  def __post_init__(self):
+    if not 0.0 < self.fraction < 1.0:
+      raise ValueError(f"held-out fraction={self.fraction}: must be in (0, 1)")
+
+  @property
+  def by_document(self) -> bool:
+    return self.num_source_docs >= 100
+
+  def document_held_out(self, source_index: int) -> bool:
+    every = max(2, round(1.0 / self.fraction))
+    return source_index % every == every - 1
+
+  def sentence_cut(self, num_sentences: int) -> int:
+    """Sentences [0, cut) train, [cut, n) held out (per document, fewer than 100)."""
+    if num_sentences <= 1:
+      return num_sentences
+    return num_sentences - max(1, int(round(num_sentences * self.fraction)))
+
+
+def split_held_out(store: TokenStore, fraction: float, num_source_docs: int | None = None
+                   ) -> tuple[TokenStore, TokenStore]:
+  """(train, held-out) stores by HeldOutRule; nothing is in both.
+
+  num_source_docs: documents in the store's source, unusable ones included (default:
+  the store's own count); store.doc_source gives each document's source index.
+  """
+  rule = HeldOutRule(fraction, store.num_docs if num_source_docs is None else num_source_docs)
+  sentences = lambda lo, hi: [store.sentence(s) for s in range(lo, hi)]
   train, held = [], []
-  if store.num_docs >= 100:
-    every = max(2, round(1.0 / fraction))
-    for d in range(store.num_docs):
-      lo, hi = store.doc_sentences[d], store.doc_sentences[d + 1]
-      (held if d % every == every - 1 else train).append(sentences(d, lo, hi))
-  else:
-    for d in range(store.num_docs):
-      lo, hi = int(store.doc_sentences[d]), int(store.doc_sentences[d + 1])
-      cut = hi - max(1, int(round((hi - lo) * fraction))) if hi - lo > 1 else hi
-      train.append(sentences(d, lo, cut))
-      held.append(sentences(d, cut, hi))
+  for d in range(store.num_docs):
+    lo, hi = int(store.doc_sentences[d]), int(store.doc_sentences[d + 1])
+    if rule.by_document:
+      (held if rule.document_held_out(store.source_index(d)) else train).append(
+          sentences(lo, hi))
+    else:
+      cut = lo + rule.sentence_cut(hi - lo)
+      train.append(sentences(lo, cut))
+      held.append(sentences(cut, hi))
   return TokenStore.from_documents(train), TokenStore.from_documents(held)

@@ -23,7 +23,7 @@ from t5x_like.data.store import TokenStore
 from t5x_like.fs import PathLike, resolve_path
 
 # Bump when the splitter or the layout of the store changes: old caches become stale.
-STORE_FORMAT_VERSION = 1
+STORE_FORMAT_VERSION = 2  # 2: doc_source
 
 
 def build_store(source, vocab, *, cache_dir: PathLike | None = None,
@@ -86,17 +86,15 @@ def build_store(source, vocab, *, cache_dir: PathLike | None = None,
       while len(in_flight) > 1:
         collect(*in_flight.popleft())
 
-    num_read = 0  # documents with text, numbered in order
-    for i in range(len(source)):
+    num_source = len(source)
+    for i in range(num_source):
       text = source[i]
       if not text or text.isspace():
-        stats["skipped_documents"] += 1
         continue
       stats["characters"] += len(text)
       sentences = split_sentences(text, max_chars=max_sentence_chars)
       pending.extend(sentences)
-      pending_docs.extend(itertools.repeat(num_read, len(sentences)))
-      num_read += 1
+      pending_docs.extend(itertools.repeat(i, len(sentences)))
       if len(pending) >= batch_sentences:
         flush()
     if pending:
@@ -105,13 +103,15 @@ def build_store(source, vocab, *, cache_dir: PathLike | None = None,
       collect(*in_flight.popleft())
 
   sentence_doc = np.concatenate(doc_chunks) if doc_chunks else np.zeros(0, np.int64)
-  counts = np.bincount(sentence_doc, minlength=num_read)
-  stats["skipped_documents"] += int(np.count_nonzero(counts == 0))
+  counts = np.bincount(sentence_doc, minlength=num_source)
+  doc_source = np.flatnonzero(counts > 0).astype(np.int64)
+  stats["skipped_documents"] = num_source - len(doc_source)
+  stats["source_documents"] = num_source
   counts = counts[counts > 0]
   lengths = np.concatenate(length_chunks) if length_chunks else np.zeros(0, np.int64)
   tokens = np.concatenate(token_chunks) if token_chunks else np.zeros(0, np.int32)
   store = TokenStore(tokens, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-                     np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+                     np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), doc_source)
   seconds = time.perf_counter() - start
   stats.update(documents=store.num_docs, sentences=store.num_sentences,
                tokens=store.num_tokens, seconds=round(seconds, 3),

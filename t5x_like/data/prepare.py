@@ -1,0 +1,226 @@
+"""`t5x-like data prepare`: tokenize a config's source once, with Apache Beam, into a
+prepared corpus (data/prepared.py) that training reads in place.
+
+  t5x-like data prepare --config FILE[:ARG] --out DIR [--runner DirectRunner]
+      [--num_workers 4] [--num_shards N] [--overwrite] [-- BEAM_PIPELINE_OPTIONS...]
+
+The source's documents are cut into `num_shards` contiguous ranges of source indices;
+each Beam element is one range, tokenized by one worker exactly as build_store does
+(sentence splitting, the config's vocabulary) and split into train / held-out by
+store.HeldOutRule at data.eval_fraction, then written as the range's shard files. A
+last step writes manifest.json. Every shard is a function of (source, vocabulary,
+range) alone, so the corpus is the same bit for bit whatever the runner and the number
+of workers. The DirectRunner with several worker processes is the local default; on
+Dataflow, pass `--runner DataflowRunner -- --project P --region R --temp_location
+gs://...` and a gs:// --out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from typing import Optional, Sequence
+
+from t5x_like.data.prepared import (MANIFEST, SPLITS, manifest_dict, split_store,
+                                    write_shard)
+from t5x_like.data.sources import source_from_spec
+from t5x_like.data.store import HeldOutRule
+from t5x_like.errors import UserError
+from t5x_like.fs import PathLike, resolve_path
+
+# Documents per shard by default: shards of ~1-20 MB for books, web pages, articles.
+DOCS_PER_SHARD = 2000
+RUNNERS = ("DirectRunner", "DataflowRunner", "FlinkRunner", "SparkRunner")
+
+
+class _Range:
+  """Documents [lo, hi) of a source, as a source (build_store's input)."""
+
+  def __init__(self, source, lo: int, hi: int):
+    self.source, self.lo, self.hi = source, lo, hi
+
+  def __len__(self):
+    return self.hi - self.lo
+
+  def __getitem__(self, i):
+    return self.source[self.lo + i]
+
+
+def shard_ranges(num_docs: int, num_shards: int) -> list[tuple[int, int]]:
+  """`num_shards` contiguous [lo, hi) ranges covering 0 .. num_docs, sizes within one."""
+  return [(num_docs * k // num_shards, num_docs * (k + 1) // num_shards)
+          for k in range(num_shards)]
+
+
+def prepare_range(source, vocab, index: int, lo: int, hi: int, out: PathLike,
+                  rule: HeldOutRule, max_sentence_chars: int = 2000) -> dict:
+  """Tokenizes source documents [lo, hi) and writes shard `index` of every split.
+
+  Returns {"index", "shards": {split: manifest entry}, "bad_input": counters}.
+  """
+  from t5x_like.data.store import TokenStore
+  from t5x_like.data.tokenize import build_store
+  from t5x_like.data.document_source import DataSourceError
+  before = dict(source.stats.as_dict()) if hasattr(source, "stats") else {}
+  try:
+    store, _ = build_store(_Range(source, lo, hi), vocab, num_threads=1,
+                           max_sentence_chars=max_sentence_chars)
+    store = TokenStore(store.tokens, store.sentence_offsets, store.doc_sentences,
+                       store.doc_source + lo)
+  except DataSourceError:  # no usable document in this range: empty shards
+    store = TokenStore.from_documents([])
+  after = source.stats.as_dict() if hasattr(source, "stats") else {}
+  bad = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+  shards = {split: write_shard(out, split, index, part)
+            for split, part in split_store(store, rule).items()}
+  return {"index": index, "shards": shards, "bad_input": bad}
+
+
+def _check_out(out: PathLike, overwrite: bool):
+  """The output folder, created; UserError if it holds anything and not `overwrite`."""
+  path = resolve_path(out, "--out")
+  if path.exists() and not path.is_dir():
+    raise UserError(f"--out {os.fspath(out)!r} is a file, not a folder")
+  entries = sorted(path.iterdir()) if path.exists() else []
+  if entries and not overwrite:
+    raise UserError(f"--out {os.fspath(out)!r} is not empty ({len(entries)} entries, e.g."
+                    f" {entries[0].name}); pass --overwrite to replace its contents")
+  if entries:  # the manifest first: an interrupted overwrite leaves no valid corpus
+    (path / MANIFEST).unlink(missing_ok=True)
+    for entry in entries:
+      if entry.is_dir():
+        entry.rmtree()
+      else:
+        entry.unlink(missing_ok=True)
+  path.mkdir(parents=True, exist_ok=True)
+  return path
+
+
+def run_prepare(config, out: PathLike, *, runner: str = "DirectRunner",
+                num_workers: int = 1, num_shards: Optional[int] = None,
+                overwrite: bool = False, beam_args: Sequence[str] = (),
+                max_sentence_chars: int = 2000) -> dict:
+  """Prepares config.data.source with config's vocabulary into `out`; returns the
+  manifest (module docstring)."""
+  from t5x_like.experiment import config_vocab
+  if runner not in RUNNERS:
+    raise UserError(f"--runner={runner!r}: expected one of {', '.join(RUNNERS)}")
+  if num_workers < 1 or (num_shards is not None and num_shards < 1):
+    raise UserError(f"--num_workers={num_workers} and --num_shards={num_shards}: must be >= 1")
+  vocab = config_vocab(config)
+  spec = config.data.source
+  source = source_from_spec(spec)
+  num_docs = len(source)
+  rule = HeldOutRule(config.data.eval_fraction, num_docs)
+  shards = num_shards or max(1, math.ceil(num_docs / DOCS_PER_SHARD))
+  shards = min(shards, num_docs)
+  ranges = shard_ranges(num_docs, shards)
+  path = _check_out(out, overwrite)
+  start = time.perf_counter()
+  results = _run_beam(spec, vocab, ranges, os.fspath(path), rule, runner, num_workers,
+                      list(beam_args), max_sentence_chars)
+  results = sorted(results, key=lambda r: r["index"])
+  if [r["index"] for r in results] != list(range(len(ranges))):
+    raise RuntimeError(f"data prepare: {len(results)} of {len(ranges)} shards came back")
+  bad: dict[str, int] = {}
+  for r in results:
+    for k, v in r["bad_input"].items():
+      bad[k] = bad.get(k, 0) + v
+  manifest = manifest_dict(
+      source_spec=spec, vocab=vocab, max_sentence_chars=max_sentence_chars,
+      held_out_fraction=config.data.eval_fraction, num_source_docs=num_docs,
+      shard_ranges=ranges, shards={s: [r["shards"][s] for r in results] for s in SPLITS},
+      bad_input=bad)
+  if not manifest["totals"]["train"]["documents"]:
+    raise UserError(f"data prepare: no document of source {spec!r} yields a token")
+  (path / MANIFEST).write_text(json.dumps(manifest, indent=1))
+  return dict(manifest, seconds=round(time.perf_counter() - start, 3),
+              runner=f"{runner} x{num_workers}")
+
+
+class _PrepareRange:
+  """The Beam DoFn body: (index, (lo, hi)) -> prepare_range's result; the source is
+  opened once per worker."""
+
+  def __init__(self, spec, vocab, out, rule, max_sentence_chars):
+    self.spec, self.vocab, self.out = spec, vocab, out
+    self.rule, self.max_sentence_chars = rule, max_sentence_chars
+    self._source = None
+
+  def __call__(self, element):
+    index, (lo, hi) = element
+    if self._source is None:
+      self._source = source_from_spec(self.spec)
+    return prepare_range(self._source, self.vocab, index, lo, hi, self.out, self.rule,
+                         self.max_sentence_chars)
+
+
+def _run_beam(spec, vocab, ranges, out, rule, runner, num_workers, beam_args,
+              max_sentence_chars) -> list[dict]:
+  logging.disable(logging.WARNING)  # Beam's import warns about GCP clients it may not use
+  try:
+    import apache_beam as beam
+    from apache_beam.options.pipeline_options import PipelineOptions
+  except ImportError:
+    raise UserError("data prepare needs Apache Beam: pip install -e '.[prepare]'") from None
+  finally:
+    logging.disable(logging.NOTSET)
+  options = PipelineOptions(
+      beam_args, runner=runner, direct_num_workers=num_workers,
+      direct_running_mode="multi_processing" if num_workers > 1 else "in_memory")
+  fn = _PrepareRange(spec, vocab, out, rule, max_sentence_chars)
+  # The shard entries come back through one file in --out (workers may be other machines).
+  results_path = os.path.join(out, ".prepare-results")
+  with beam.Pipeline(options=options) as p:
+    _ = (p | beam.Create(list(enumerate(ranges))) | beam.Reshuffle() | beam.Map(fn)
+         | beam.Map(json.dumps) | beam.combiners.ToList()
+         | beam.Map(lambda rows, path=results_path: resolve_path(path).write_text(
+             "\n".join(rows))))
+  results_file = resolve_path(results_path)
+  collected = [json.loads(line) for line in results_file.read_text().splitlines() if line]
+  results_file.unlink()
+  return collected
+
+
+def main(argv: list[str]) -> int:
+  """`t5x-like data prepare ...` (module docstring)."""
+  from absl import flags
+  from ml_collections import config_flags
+  from t5x_like.command_flags import parse_flags
+  beam_args: list[str] = []
+  if "--" in argv:
+    cut = argv.index("--")
+    argv, beam_args = argv[:cut], argv[cut + 1:]
+
+  def define(args):
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "experiment config file[:arg]",
+                                    flag_values=fv, lock_config=True, sys_argv=args)
+    flags.DEFINE_string("out", None, "folder of the prepared corpus (local or gs://)",
+                        flag_values=fv)
+    flags.DEFINE_enum("runner", "DirectRunner", list(RUNNERS), "Beam runner", flag_values=fv)
+    flags.DEFINE_integer("num_workers", min(4, os.cpu_count() or 1),
+                         "DirectRunner worker processes", flag_values=fv)
+    flags.DEFINE_integer("num_shards", None, f"shards (default: one per {DOCS_PER_SHARD}"
+                         " source documents)", flag_values=fv)
+    flags.DEFINE_bool("overwrite", False, "replace the contents of a non-empty --out",
+                      flag_values=fv)
+    return fv
+
+  fv = parse_flags("data prepare", argv, define, doc=__doc__)
+  if fv.config is None or not fv.out:
+    raise UserError("data prepare: give --config FILE[:ARG] and --out DIR")
+  manifest = run_prepare(fv.config, fv.out, runner=fv.runner, num_workers=fv.num_workers,
+                         num_shards=fv.num_shards, overwrite=fv.overwrite,
+                         beam_args=beam_args)
+  summary = {"out": fv.out, "source": manifest["source"], "runner": manifest["runner"],
+             "shards": len(manifest["shard_ranges"]), "seconds": manifest["seconds"],
+             **{f"{split}_{k}": v for split, t in manifest["totals"].items()
+                for k, v in t.items()},
+             "bad_input": manifest["bad_input"]}
+  print(json.dumps(summary, indent=1), file=sys.stdout)
+  return 0
