@@ -17,6 +17,7 @@ import os
 import ml_collections
 
 from t5x_like.data.pipeline import OBJECTIVES, make_objective
+from t5x_like.data.prepared import describe, is_prepared_spec, open_prepared, prepared_path
 from t5x_like.data.sources import source_from_spec
 from t5x_like.data.store import split_held_out
 from t5x_like.data.tokenize import build_store
@@ -78,17 +79,37 @@ def build_objective(config, store, vocab: Vocabulary, *, seed: int):
 
 def build_data(config, workdir: str):
   """(vocab, train objective, eval objective, data stats) from config.data; the token
-  cache goes to data.cache_dir, else <workdir>/data_cache."""
+  cache goes to data.cache_dir, else <workdir>/data_cache. A `prepared:DIR` source is
+  read in place (data/prepared.py): its train split, and its held-out split unless
+  data.eval_source is set."""
   data = config.data
   vocab = config_vocab(config)
   cache_dir = data.cache_dir or os.path.join(workdir, "data_cache")
-  store, stats = build_store(source_from_spec(data.source), vocab, cache_dir=cache_dir)
-  if data.eval_source:
-    train_store = store
-    eval_store, _ = build_store(source_from_spec(data.eval_source), vocab, cache_dir=cache_dir)
+
+  def store_of(spec: str, default_split: str, held_out_fraction=None):
+    if is_prepared_spec(spec):
+      path, split = prepared_path(spec)
+      store, manifest = open_prepared(path, vocab, split=split or default_split,
+                                      held_out_fraction=held_out_fraction)
+      return store, describe(manifest)
+    return build_store(source_from_spec(spec), vocab, cache_dir=cache_dir)
+
+  if is_prepared_spec(data.source):
+    fraction = None if data.eval_source else data.eval_fraction
+    train_store, stats = store_of(data.source, "train", fraction)
+    if data.eval_source:
+      eval_store, _ = store_of(data.eval_source, "train")
+    else:
+      eval_store, _ = store_of(f"prepared:{prepared_path(data.source)[0]}#held_out",
+                               "held_out")
   else:
-    train_store, eval_store = split_held_out(store, data.eval_fraction,
-                                             stats.get("source_documents"))
+    store, stats = store_of(data.source, "train")
+    if data.eval_source:
+      train_store = store
+      eval_store, _ = store_of(data.eval_source, "train")
+    else:
+      train_store, eval_store = split_held_out(store, data.eval_fraction,
+                                               stats.get("source_documents"))
   return (vocab, build_objective(config, train_store, vocab, seed=config.seed),
           build_objective(config, eval_store, vocab, seed=config.seed + 1), stats)
 

@@ -167,6 +167,7 @@ class ShardedArray:
     self.arrays, self.adds, self.dtype, self.tail = arrays, list(adds), np.dtype(dtype), tail
     self.starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     self.length = int(self.starts[-1]) + (tail is not None)
+    self.elements_read = 0  # how much this process has gathered (tests, benchmarks)
 
   def __len__(self) -> int:
     return self.length
@@ -192,6 +193,7 @@ class ShardedArray:
       return self[np.arange(*idx.indices(self.length))]
     idx = np.asarray(idx, np.int64)
     flat = idx.reshape(-1)
+    self.elements_read += flat.size
     out = np.empty(flat.shape, self.dtype)
     part = np.searchsorted(self.starts, flat, side="right") - 1
     for k in np.unique(part):
@@ -315,11 +317,15 @@ def is_prepared_spec(spec: str) -> bool:
   return spec.startswith("prepared:")
 
 
-def prepared_path(spec: str) -> str:
-  return spec[len("prepared:"):]
+def prepared_path(spec: str) -> tuple[str, str]:
+  """'prepared:DIR[#SPLIT]' -> (DIR, SPLIT or "")."""
+  path, _, split = spec[len("prepared:"):].partition("#")
+  if split and split not in SPLITS:
+    raise PreparedCorpusError(f"source {spec!r}: split {split!r}; expected one of {SPLITS}")
+  return path, split
 
 
 def describe(manifest: dict) -> dict[str, Any]:
   """The counts a run logs about its prepared corpus."""
   return {"prepared": manifest["source"], **manifest["totals"]["train"],
-          "bad_input": manifest["bad_input"]}
+          "source": manifest["bad_input"]}

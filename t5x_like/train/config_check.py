@@ -165,7 +165,7 @@ def _check_data(config, model_cfg: ModelConfig) -> None:
                       f" model.preset={config.model.preset!r} is {model_cfg.family!r}")
   scheme = d.source.split(":", 1)[0]
   _choice("data.source (scheme)", scheme if d.source != "embedded" else "embedded",
-          ("embedded", "text", "jsonl", "tfds"))
+          ("embedded", "text", "jsonl", "tfds", "prepared"))
   lengths = [("data.length", d.length)] + [
       (f"train.phases[{i}].length", dict(p).get("length", d.length))
       for i, p in enumerate(config.train.phases or ())]
