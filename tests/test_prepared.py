@@ -140,6 +140,38 @@ def test_each_host_reads_only_its_share(jsonl, tmp_path):
   assert 0.3 * single < host0 < 0.7 * single
 
 
+@pytest.mark.slow
+def test_two_processes_on_a_prepared_corpus_match_one(tmp_path, prepared_t5):
+  """2 processes x 4 CPU devices (jax.distributed) reading one prepared corpus give the
+  losses of 1 process x 8 devices."""
+  import socket
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  source = f"--config.data.source=prepared:{prepared_t5}"
+  single = _train(tmp_path / "single", T5, source)
+  assert single.returncode == 0, single.stderr[-2000:]
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "t5x_like.cli", "train", f"--config={T5}",
+       f"--workdir={tmp_path / 'multi'}", "--config.train.num_steps=4",
+       "--config.train.eval_every=2", "--config.train.checkpoint_every=0",
+       "--config.train.log_every=1", "--config.optimizer.warmup_steps=2", source,
+       f"--coordinator_address=localhost:{port}", "--num_processes=2", f"--process_id={i}"],
+      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for i in range(2)]
+  outputs = [p.communicate(timeout=600)[0] for p in procs]
+  for p, out in zip(procs, outputs):
+    assert p.returncode == 0, out[-3000:]
+  want, got = _metrics(tmp_path / "single"), _metrics(tmp_path / "multi")
+  assert len(got) == len(want) >= 4
+  for w, g in zip(want, got):
+    assert w.keys() == g.keys()
+    np.testing.assert_allclose([g[k] for k in sorted(g)], [w[k] for k in sorted(w)],
+                               rtol=1e-5)
+
+
 # ---------------------------------------------------------------------- bad input
 def _damage(kind, corpus):
   shard = corpus / "train-00000.tokens.npy"
