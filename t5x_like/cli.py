@@ -40,7 +40,13 @@ def _cmd_models(args) -> int:
 
 
 def _cmd_bench_data(args) -> int:
-  """Tokens/s per core of an objective (plus packing) and of tokenization, as JSON."""
+  """Tokens/s per core of an objective (plus packing) and of tokenization, as JSON;
+  with --prepared, prepared corpora at --sizes (prepare, start-up, memory, tokens/s)."""
+  if args.prepared:
+    from t5x_like.bench.prepared import bench_prepared
+    print(json.dumps(bench_prepared(sizes_mb=args.sizes, objective=args.objective,
+                                    workers=args.workers, scratch=args.scratch), indent=1))
+    return 0
   from t5x_like.bench.data import bench_objective
   print(json.dumps(bench_objective(args.objective, length=args.length,
                                    batch_size=args.batch, steps=args.steps,
@@ -123,6 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
   data.add_argument("--batch", type=int, default=64)
   data.add_argument("--steps", type=int, default=30, help="batches per timed run")
   data.add_argument("--repeats", type=int, default=5, help="timed runs (median reported)")
+  numbers = lambda kind: lambda text: [kind(x) for x in text.split(",")]
+  data.add_argument("--prepared", action="store_true",
+                    help="bench prepared corpora (bench/prepared.py) instead")
+  data.add_argument("--sizes", type=numbers(float), default=[50, 2000],
+                    help="--prepared: synthetic corpus sizes in MB (default 50,2000)")
+  data.add_argument("--workers", type=numbers(int), default=[1, 2],
+                    help="--prepared: Beam worker counts to prepare with (default 1,2)")
+  data.add_argument("--scratch", default=None,
+                    help="--prepared: folder for the scratch corpora (default: the temp dir)")
   data.set_defaults(fn=_cmd_bench_data)
   for name, summary in BENCH_FLAG_COMMANDS.items():
     bench.add_parser(name, help=summary + ": --config FILE[:ARG] [--config.KEY=VALUE ...]",
