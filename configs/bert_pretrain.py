@@ -1,6 +1,8 @@
 """BERT-base / BERT-large pretraining with the paper's recipe (Devlin et al. 2019, A.2).
 
-  t5x-like train --config configs/bert_pretrain.py:base  --workdir gs://BUCKET/bert-base
+  t5x-like data prepare --config configs/bert_pretrain.py:base,raw --out gs://BUCKET/prepared/wiki
+  t5x-like train --config configs/bert_pretrain.py:base,corpus=gs://BUCKET/prepared/wiki \
+      --workdir gs://BUCKET/bert-base
   t5x-like train --config configs/bert_pretrain.py:large --workdir gs://BUCKET/bert-large
   t5x-like train --config configs/bert_pretrain.py:base,local --workdir /tmp/b  (CPU smoke)
   t5x-like plan  --config configs/bert_pretrain.py:base --topology v3-32
@@ -14,7 +16,8 @@ BERT-large on 16 (64 chips: v3-128); both meshes are pure data parallel (8 and 2
 per device).
 
 Data: English Wikipedia from TFDS (BooksCorpus, the paper's other half, is not in
-TFDS). Vocabulary: set data.vocab to a 30,522-piece BERT sentencepiece model
+TFDS), prepared once into `corpus` (the raw TFDS source with `raw`). Vocabulary: set
+data.vocab to a 30,522-piece BERT sentencepiece model
 (`t5x-like vocab train --family bert --vocab-size 30522 ...`); the model keeps the
 paper's 30,522 embedding rows either way.
 """
@@ -25,7 +28,8 @@ _SIZES = {"base": "bert-base", "large": "bert-large"}
 
 
 def get_config(arg: str = "base"):
-  a = parse_arg(arg, size="base", local=False)
+  a = parse_arg(arg, size="base", local=False, raw=False,
+                corpus="gs://YOUR_BUCKET/prepared/wikipedia-en-bert")
   if a.size not in _SIZES:
     raise ValueError(f"configs/bert_pretrain.py: size {a.size!r}; known: {sorted(_SIZES)}")
   c = default_config()
@@ -38,7 +42,9 @@ def get_config(arg: str = "base"):
   # CPU (`t5x-like bench model`), the scanned step is faster with it than without remat.
   c.model.remat_policy = "dots"
 
-  c.data.source = "tfds:wikipedia/20230601.en:train#text"
+  # Training reads the corpus prepared once by `t5x-like data prepare` (README, "Data at
+  # scale"); `:SIZE,raw` names the raw source, which is what `data prepare` reads.
+  c.data.source = "tfds:wikipedia/20230601.en:train#text" if a.raw else f"prepared:{a.corpus}"
   c.data.objective = "bert_mlm"
   c.data.length = 128
   c.data.options = dict(max_predictions_per_seq=20, nsp=True)

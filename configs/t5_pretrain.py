@@ -1,13 +1,16 @@
 """T5 v1.1 small / base / large: span corruption on C4 (Raffel et al. 2020; the T5 v1.1
 release notes).
 
-  t5x-like train --config configs/t5_pretrain.py:base --workdir gs://BUCKET/t5-base
+  t5x-like data prepare --config configs/t5_pretrain.py:base,raw --out gs://BUCKET/prepared/c4
+  t5x-like train --config configs/t5_pretrain.py:base,corpus=gs://BUCKET/prepared/c4 \
+      --workdir gs://BUCKET/t5-base
   t5x-like train --config configs/t5_pretrain.py:small,local --workdir /tmp/t5  (CPU)
 
 Batch 256 x 512 inputs / 114 targets (noise density 0.15, mean span 3), 2^19 steps
 (the T5 paper's pretraining length), Adafactor (decay rate 0.8, factored second
 moments, no momentum) at 0.01 for 10k steps then 1/sqrt(step), z-loss 1e-4, no
-dropout in pretraining (v1.1). Data: TFDS c4/en (3.1.0). Vocabulary: set data.vocab
+dropout in pretraining (v1.1). Data: TFDS c4/en (3.1.0), prepared once into
+`corpus` (the raw TFDS source with `raw`). Vocabulary: set data.vocab
 to a T5 sentencepiece model with 100 sentinels (`t5x-like vocab train --family t5`);
 the model keeps T5's 32,128 embedding rows.
 Meshes: small and base are data parallel (v3-32: 3.4 and 9.1 GiB per device by
@@ -20,7 +23,8 @@ _SIZES = {"small": "t5-v1_1-small", "base": "t5-v1_1-base", "large": "t5-v1_1-la
 
 
 def get_config(arg: str = "base"):
-  a = parse_arg(arg, size="base", local=False)
+  a = parse_arg(arg, size="base", local=False, raw=False,
+                corpus="gs://YOUR_BUCKET/prepared/c4-en-t5")
   if a.size not in _SIZES:
     raise ValueError(f"configs/t5_pretrain.py: size {a.size!r}; known: {sorted(_SIZES)}")
   c = default_config()
@@ -32,7 +36,9 @@ def get_config(arg: str = "base"):
   # (CPU, base, batch 4), 5% faster than no remat with 30% less memory. large: 'full'.
   c.model.remat_policy = "full" if a.size == "large" else "dots"
 
-  c.data.source = "tfds:c4/en:train#text"
+  # Training reads the corpus prepared once by `t5x-like data prepare` (README, "Data at
+  # scale"); `:SIZE,raw` names the raw source, which is what `data prepare` reads.
+  c.data.source = "tfds:c4/en:train#text" if a.raw else f"prepared:{a.corpus}"
   c.data.objective = "span_corruption"
   c.data.length = 512  # targets 114
   c.data.options = dict(noise_density=0.15, mean_noise_span_length=3.0)

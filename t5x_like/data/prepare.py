@@ -113,6 +113,9 @@ def run_prepare(config, out: PathLike, *, runner: str = "DirectRunner",
     raise UserError(f"--num_workers={num_workers} and --num_shards={num_shards}: must be >= 1")
   vocab = config_vocab(config)
   spec = config.data.source
+  if spec.startswith("prepared:"):
+    raise UserError(f"data.source={spec!r} is already a prepared corpus; `data prepare` reads"
+                    " a raw source: use the config's `raw` variant or --config.data.source")
   source = source_from_spec(spec)
   num_docs = len(source)
   rule = HeldOutRule(config.data.eval_fraction, num_docs)
