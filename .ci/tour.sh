@@ -14,12 +14,13 @@ trap 'rm -f "$out"' EXIT
 
 step "every command answers --help"
 for cmd in train plan infer finetune models vocab "vocab train" task "task books" bench \
-           "bench data" "bench model" "bench compile" "bench peer" "bench bert-vs-torch"; do
+           "bench data" "bench model" "bench compile" "bench peer" "bench bert-vs-torch" \
+           "data prepare"; do
   # shellcheck disable=SC2086
   $T $cmd --help > "$out"
 done
 $T --help > "$out"
-for cmd in train plan infer finetune models vocab task bench; do expect "$out" "$cmd"; done
+for cmd in train plan infer finetune models vocab task bench data; do expect "$out" "$cmd"; done
 
 step "rerun of the finished main job: nothing to do, its eval again"
 $T train --config configs/bert_cpu.py --workdir workdir/bert | tee "$out"
@@ -64,6 +65,19 @@ EOF
 $T finetune --config configs/finetune_books.py:bert --workdir workdir/ft_score --config.task.name=regression --config.task.label_column=score --config.task.train_file=workdir/books/train_score.csv --config.task.dev_file=workdir/books/dev_score.csv --config.train.num_steps=20 --config.train.eval_every=10 | tee "$out"
 expect "$out" "dev pearson="
 test -s workdir/ft_score/dev_predictions.jsonl
+
+step "data at scale: prepare a corpus once (Apache Beam, 2 workers), train on it in place"
+.venv/bin/pip install -q -e ".[prepare]"
+$T data prepare --config configs/bert_cpu.py:smoke --out workdir/prepared/books --num_workers 2 | tee "$out"
+expect "$out" '"train_documents": 8'
+$T train --config configs/bert_cpu.py:smoke --workdir workdir/bert_prepared --config.data.source=prepared:workdir/prepared/books | tee "$out"
+expect "$out" "final eval:"
+set +e
+$T data prepare --config configs/bert_cpu.py:smoke --out workdir/prepared/books 2> "$out"
+code=$?
+set -e
+test "$code" = 2 || { echo "tour: prepare into a full folder: expected exit 2, got $code"; exit 1; }
+expect "$out" "not empty"
 
 step "plan"
 $T plan --config configs/bert_pretrain.py:base --topology v3-32 | tee "$out"

@@ -174,7 +174,8 @@ def _run_beam(spec, vocab, ranges, out, rule, runner, num_workers, beam_args,
     logging.disable(logging.NOTSET)
   options = PipelineOptions(
       beam_args, runner=runner, direct_num_workers=num_workers,
-      direct_running_mode="multi_processing" if num_workers > 1 else "in_memory")
+      direct_running_mode="multi_processing" if num_workers > 1 else "in_memory",
+      default_sdk_harness_log_level="WARNING")
   fn = _PrepareRange(spec, vocab, out, rule, max_sentence_chars)
   # The shard entries come back through one file in --out (workers may be other machines).
   results_path = os.path.join(out, ".prepare-results")
