@@ -54,6 +54,20 @@ def _cmd_bench_data(args) -> int:
   return 0
 
 
+def _cmd_bench_attention(args) -> int:
+  """Every attention kernel of this device against a float32 reference (values and
+  gradients, five masks, a bias; dropout statistics) and its time, as JSON."""
+  from t5x_like.bench.attention import bench_attention
+  try:
+    result = bench_attention(batch=args.batch, length=args.length, heads=args.heads,
+                             kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype,
+                             steps=args.steps, interpret_pallas=args.interpret_pallas)
+  except ValueError as e:
+    raise UserError(str(e)) from None
+  print(json.dumps(result, indent=1))
+  return 0
+
+
 def _cmd_task_books(args) -> int:
   """Writes the book task (which book a passage is from) and the pretraining text without
   its held-out passages (t5x_like/finetune/books.py); prints the counts as JSON."""
@@ -120,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
   data_cmd.add_parser("prepare", add_help=False,
                       help="tokenize a config's source once with Apache Beam into a prepared"
                       " corpus: --config FILE[:ARG] --out DIR [--runner ...]")
-  bench = sub.add_parser("bench", help="benchmarks: data, model, compile, peer, bert-vs-torch"
+  bench = sub.add_parser("bench", help="benchmarks: data, model, attention, compile, peer,"
+                         " bert-vs-torch"
                          ).add_subparsers(dest="what", required=True, metavar="BENCHMARK")
   data = bench.add_parser("data", help=_cmd_bench_data.__doc__)
   data.add_argument("--objective", required=True, choices=sorted(OBJECTIVES))
@@ -139,6 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
   data.add_argument("--scratch", default=None,
                     help="--prepared: folder for the scratch corpora (default: the temp dir)")
   data.set_defaults(fn=_cmd_bench_data)
+  attention = bench.add_parser("attention", help=_cmd_bench_attention.__doc__)
+  attention.add_argument("--batch", type=int, default=4)
+  attention.add_argument("--length", type=int, default=512)
+  attention.add_argument("--heads", type=int, default=16)
+  attention.add_argument("--kv_heads", type=int, default=0, help="default: --heads (MHA)")
+  attention.add_argument("--head_dim", type=int, default=64)
+  attention.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16",
+                                                                 "float32"))
+  attention.add_argument("--steps", type=int, default=10, help="timed calls (median)")
+  attention.add_argument("--interpret_pallas", action="store_true",
+                         help="also run the Pallas TPU kernel in interpret mode (slow)")
+  attention.set_defaults(fn=_cmd_bench_attention)
   for name, summary in BENCH_FLAG_COMMANDS.items():
     bench.add_parser(name, help=summary + ": --config FILE[:ARG] [--config.KEY=VALUE ...]",
                      add_help=False)
