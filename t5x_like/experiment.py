@@ -90,7 +90,8 @@ def build_data(config, workdir: str):
     if is_prepared_spec(spec):
       path, split = prepared_path(spec)
       store, manifest = open_prepared(path, vocab, split=split or default_split,
-                                      held_out_fraction=held_out_fraction)
+                                      held_out_fraction=held_out_fraction,
+                                      verify=data.get("verify_checksums", True))
       return store, describe(manifest)
     return build_store(source_from_spec(spec), vocab, cache_dir=cache_dir)
 

@@ -10,7 +10,9 @@ text with the books' vocabulary and line lengths), one text file per copy. Then:
 - start-up: a fresh process opens the prepared corpus (checksums verified, or not),
   builds the objective and makes the first host batch: seconds, and how far its peak
   RSS (VmHWM, reset after the imports) grows over the RSS after the imports while it
-  also makes 30 more batches (the data side's memory; Linux /proc);
+  also makes 30 more batches (the data side's memory; Linux /proc), split at the end
+  into anonymous memory (what the process allocated) and mapped file pages (the
+  corpus pages it touched: page cache, which the kernel reclaims at will);
 - throughput: tokens/s of the objective's host batches from the prepared corpus, one
   core (as `bench data`).
 """
@@ -44,7 +46,8 @@ def status_kb(key):
       return int(line.split()[1])
 open("/proc/self/clear_refs", "w").write("5")  # resets the peak (VmHWM) to the current RSS
 imported = time.perf_counter()
-rss_imports = status_kb("VmRSS")
+rss_imports, anon_imports, file_imports = (status_kb(k) for k in ("VmRSS", "RssAnon",
+                                                                   "RssFile"))
 store, _ = open_prepared(path, vocab, verify=verify)
 opened = time.perf_counter()
 extra = {"targets_length": spec.default_length} if spec.needs_targets_length else {}
@@ -61,6 +64,8 @@ print(json.dumps({
     "to_first_batch_seconds": round(first - imported, 3),
     "rss_after_imports_mb": round(rss_imports / 1024, 1),
     "peak_rss_growth_mb": round((status_kb("VmHWM") - rss_imports) / 1024, 1),
+    "anon_rss_growth_mb": round((status_kb("RssAnon") - anon_imports) / 1024, 1),
+    "file_rss_growth_mb": round((status_kb("RssFile") - file_imports) / 1024, 1),
     "tokens_per_second_per_core": round(steps * 64 * spec.default_length / (done - first)),
     "documents": store.num_docs, "tokens": store.num_tokens}))
 """

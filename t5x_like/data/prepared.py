@@ -29,6 +29,7 @@ import concurrent.futures
 import hashlib
 import io
 import json
+import mmap
 import os
 from typing import Any, Optional, Sequence
 
@@ -230,7 +231,13 @@ def _open_npy(path, entry: dict):
     raise PreparedCorpusError(f"prepared corpus {path.parent}: {name} has shape {shape}")
   if is_url(os.fspath(path)):
     return _Blocks(path, offset, np.dtype(dtype), shape[0])
-  return np.load(os.fspath(path), mmap_mode="r")
+  array = np.load(os.fspath(path), mmap_mode="r")
+  # Examples read scattered windows: the kernel's readahead would map whole files into
+  # the process (measured: RSS grew by the whole token file), so ask for random access.
+  mapping = getattr(array, "_mmap", None)
+  if mapping is not None and hasattr(mmap, "MADV_RANDOM"):
+    mapping.madvise(mmap.MADV_RANDOM)
+  return array
 
 
 def _sha256(path) -> str:

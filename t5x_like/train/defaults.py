@@ -37,6 +37,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.eval_fraction = 0.02
   c.data.num_workers = 0
   c.data.cache_dir = ""  # "" = <workdir>/data_cache
+  # prepared:DIR sources: hash every shard file at start-up (False: sizes and headers only)
+  c.data.verify_checksums = True
 
   # Train loop.
   c.train = ml_collections.ConfigDict()
