@@ -214,8 +214,8 @@ def main(argv=None) -> int:
 
 def _dispatch(argv: list[str]) -> int:
   if argv[:2] == ["data", "prepare"]:
-    from t5x_like.data import prepare
-    return prepare.main(argv[2:])
+    from t5x_like import prepare_cli
+    return prepare_cli.main(argv[2:])
   if argv[:1] and argv[0] in FLAG_COMMANDS:
     module = importlib.import_module(FLAG_COMMANDS[argv[0]][0])
     return module.main(argv[1:])

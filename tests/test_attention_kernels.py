@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from t5x_like import models
-from t5x_like.models import attention_core
 from t5x_like.models.attention_core import attend, choose_kernel, record_kernels
 from t5x_like.models.attention_kernels import pallas_interpret
 from t5x_like.models.masks import mask_spec
@@ -237,5 +236,4 @@ def test_record_kernels_names_each_attention():
   names = sorted(kernels)
   assert any("encoder" in n and "self_attention" in n for n in names), names
   assert any("cross_attention" in n for n in names), names
-  assert all(entry["kernel"] == "explicit" for entry in kernels.values())
-  assert attention_core.resolve_impl("auto", False) == "explicit"  # this is a CPU
+  assert all(entry["kernel"] == "explicit" for entry in kernels.values())  # a CPU

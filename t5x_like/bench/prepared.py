@@ -27,7 +27,6 @@ import sys
 import tempfile
 import time
 
-import ml_collections
 import numpy as np
 
 _STARTUP = r"""
@@ -106,7 +105,7 @@ def bench_prepared(*, sizes_mb=(50, 2000), objective: str = "span_corruption",
   """The JSON of `t5x-like bench data --prepared` (module docstring)."""
   from t5x_like.data.pipeline import OBJECTIVES
   from t5x_like.data.prepare import run_prepare
-  from t5x_like.train.defaults import default_config
+  from t5x_like.data.vocab import default_vocab
   if objective not in OBJECTIVES:
     raise ValueError(f"objective {objective!r}: expected one of {sorted(OBJECTIVES)}")
   root = tempfile.mkdtemp(prefix="t5x_like_bench_prepared_", dir=scratch)
@@ -116,14 +115,12 @@ def bench_prepared(*, sizes_mb=(50, 2000), objective: str = "span_corruption",
       text_dir = os.path.join(root, f"text-{size}")
       made = write_synthetic_corpus(text_dir, size)
       row = {"text_files": made["files"], "text_bytes": made["bytes"], "prepare": {}}
-      config = default_config()
-      config.data.objective = objective
-      config.data.source = f"text:{text_dir}/*.txt"
+      vocab = default_vocab(OBJECTIVES[objective].vocab_family)
       prepared = None
       for n in workers:
         out = os.path.join(root, f"prepared-{size}-{n}")
         start = time.perf_counter()
-        manifest = run_prepare(ml_collections.ConfigDict(config.to_dict()), out,
+        manifest = run_prepare(f"text:{text_dir}/*.txt", vocab, out, held_out_fraction=0.02,
                                num_workers=n, num_shards=max(4, 2 * n))
         seconds = time.perf_counter() - start
         row["prepare"][f"workers_{n}"] = {

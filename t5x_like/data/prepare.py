@@ -1,8 +1,8 @@
-"""`t5x-like data prepare`: tokenize a config's source once, with Apache Beam, into a
-prepared corpus (data/prepared.py) that training reads in place.
+"""Tokenize a source once, with Apache Beam, into a prepared corpus (data/prepared.py)
+that training reads in place; the pipeline of `t5x-like data prepare` (prepare_cli.py).
 
-  t5x-like data prepare --config FILE[:ARG] --out DIR [--runner DirectRunner]
-      [--num_workers 4] [--num_shards N] [--overwrite] [-- BEAM_PIPELINE_OPTIONS...]
+  manifest = run_prepare("text:books/*.txt", vocab, "DIR", held_out_fraction=0.02,
+                         num_workers=4)
 
 The source's documents are cut into `num_shards` contiguous ranges of source indices;
 each Beam element is one range, tokenized by one worker exactly as build_store does
@@ -21,7 +21,6 @@ import json
 import logging
 import math
 import os
-import sys
 import time
 from typing import Optional, Sequence
 
@@ -100,25 +99,22 @@ def _check_out(out: PathLike, overwrite: bool):
   return path
 
 
-def run_prepare(config, out: PathLike, *, runner: str = "DirectRunner",
-                num_workers: int = 1, num_shards: Optional[int] = None,
-                overwrite: bool = False, beam_args: Sequence[str] = (),
-                max_sentence_chars: int = 2000) -> dict:
-  """Prepares config.data.source with config's vocabulary into `out`; returns the
-  manifest (module docstring)."""
-  from t5x_like.experiment import config_vocab
+def run_prepare(spec: str, vocab, out: PathLike, *, held_out_fraction: float,
+                runner: str = "DirectRunner", num_workers: int = 1,
+                num_shards: Optional[int] = None, overwrite: bool = False,
+                beam_args: Sequence[str] = (), max_sentence_chars: int = 2000) -> dict:
+  """Prepares source `spec` with `vocab` into `out` (held-out split at
+  `held_out_fraction`); returns the manifest plus the run's seconds and runner."""
   if runner not in RUNNERS:
     raise UserError(f"--runner={runner!r}: expected one of {', '.join(RUNNERS)}")
   if num_workers < 1 or (num_shards is not None and num_shards < 1):
     raise UserError(f"--num_workers={num_workers} and --num_shards={num_shards}: must be >= 1")
-  vocab = config_vocab(config)
-  spec = config.data.source
   if spec.startswith("prepared:"):
     raise UserError(f"data.source={spec!r} is already a prepared corpus; `data prepare` reads"
                     " a raw source: use the config's `raw` variant or --config.data.source")
   source = source_from_spec(spec)
   num_docs = len(source)
-  rule = HeldOutRule(config.data.eval_fraction, num_docs)
+  rule = HeldOutRule(held_out_fraction, num_docs)
   shards = num_shards or max(1, math.ceil(num_docs / DOCS_PER_SHARD))
   shards = min(shards, num_docs)
   ranges = shard_ranges(num_docs, shards)
@@ -135,7 +131,7 @@ def run_prepare(config, out: PathLike, *, runner: str = "DirectRunner",
       bad[k] = bad.get(k, 0) + v
   manifest = manifest_dict(
       source_spec=spec, vocab=vocab, max_sentence_chars=max_sentence_chars,
-      held_out_fraction=config.data.eval_fraction, num_source_docs=num_docs,
+      held_out_fraction=held_out_fraction, num_source_docs=num_docs,
       shard_ranges=ranges, shards={s: [r["shards"][s] for r in results] for s in SPLITS},
       bad_input=bad)
   if not manifest["totals"]["train"]["documents"]:
@@ -188,43 +184,3 @@ def _run_beam(spec, vocab, ranges, out, rule, runner, num_workers, beam_args,
   collected = [json.loads(line) for line in results_file.read_text().splitlines() if line]
   results_file.unlink()
   return collected
-
-
-def main(argv: list[str]) -> int:
-  """`t5x-like data prepare ...` (module docstring)."""
-  from absl import flags
-  from ml_collections import config_flags
-  from t5x_like.command_flags import parse_flags
-  beam_args: list[str] = []
-  if "--" in argv:
-    cut = argv.index("--")
-    argv, beam_args = argv[:cut], argv[cut + 1:]
-
-  def define(args):
-    fv = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", None, "experiment config file[:arg]",
-                                    flag_values=fv, lock_config=True, sys_argv=args)
-    flags.DEFINE_string("out", None, "folder of the prepared corpus (local or gs://)",
-                        flag_values=fv)
-    flags.DEFINE_enum("runner", "DirectRunner", list(RUNNERS), "Beam runner", flag_values=fv)
-    flags.DEFINE_integer("num_workers", min(4, os.cpu_count() or 1),
-                         "DirectRunner worker processes", flag_values=fv)
-    flags.DEFINE_integer("num_shards", None, f"shards (default: one per {DOCS_PER_SHARD}"
-                         " source documents)", flag_values=fv)
-    flags.DEFINE_bool("overwrite", False, "replace the contents of a non-empty --out",
-                      flag_values=fv)
-    return fv
-
-  fv = parse_flags("data prepare", argv, define, doc=__doc__)
-  if fv.config is None or not fv.out:
-    raise UserError("data prepare: give --config FILE[:ARG] and --out DIR")
-  manifest = run_prepare(fv.config, fv.out, runner=fv.runner, num_workers=fv.num_workers,
-                         num_shards=fv.num_shards, overwrite=fv.overwrite,
-                         beam_args=beam_args)
-  summary = {"out": fv.out, "source": manifest["source"], "runner": manifest["runner"],
-             "shards": len(manifest["shard_ranges"]), "seconds": manifest["seconds"],
-             **{f"{split}_{k}": v for split, t in manifest["totals"].items()
-                for k, v in t.items()},
-             "bad_input": manifest["bad_input"]}
-  print(json.dumps(summary, indent=1), file=sys.stdout)
-  return 0

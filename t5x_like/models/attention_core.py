@@ -111,7 +111,6 @@ def _explicit_bwd(scale, residuals, g_BxTxNxH):
 _explicit.defvjp(_explicit_fwd, _explicit_bwd)
 
 
-
 # ------------------------------------------------------------------- choice of kernel
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
@@ -129,8 +128,7 @@ def choose_kernel(impl: str, *, backend: str, dtype, head_dim: int, q_len: int, 
     raise ValueError(f"attention impl {impl!r}: expected one of {IMPLS}")
   interpret = attention_kernels.pallas_interpreting()
   cudnn_why = attention_kernels.cudnn_unsupported(backend, dtype, head_dim)
-  pallas_why = attention_kernels.pallas_unsupported(backend or "", q_len, kv_len, head_dim,
-                                                   interpret)
+  pallas_why = attention_kernels.pallas_unsupported(backend, q_len, kv_len, head_dim, interpret)
   if impl == "explicit":
     return KernelChoice("explicit", "configured")
   if impl == "xla":
@@ -165,12 +163,6 @@ def choose_kernel(impl: str, *, backend: str, dtype, head_dim: int, q_len: int, 
       return KernelChoice("pallas", "TPU: Pallas flash attention")
     return KernelChoice("explicit", f"TPU without the Pallas kernel ({pallas_why})")
   return KernelChoice("explicit", f"{backend}: the explicit kernel (16-bit products)")
-
-
-def resolve_impl(impl: str, dropout: bool) -> str:
-  """The kernel `impl` stands for on this backend for a typical call."""
-  return choose_kernel(impl, backend=jax.default_backend(), dtype=jnp.bfloat16, head_dim=64,
-                       q_len=512, kv_len=512, dropout=dropout).kernel
 
 
 _RECORDS: list[dict] = []
