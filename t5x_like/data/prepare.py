@@ -67,7 +67,7 @@ def prepare_range(source, vocab, index: int, lo: int, hi: int, out: PathLike,
   before = dict(source.stats.as_dict()) if hasattr(source, "stats") else {}
   try:
     store, _ = build_store(_Range(source, lo, hi), vocab, num_threads=1,
-                           max_sentence_chars=max_sentence_chars)
+                           max_sentence_chars=max_sentence_chars, pipelined=False)
     store = TokenStore(store.tokens, store.sentence_offsets, store.doc_sentences,
                        store.doc_source + lo)
   except DataSourceError:  # no usable document in this range: empty shards

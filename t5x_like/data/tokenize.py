@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import hashlib
 import itertools
 import json
@@ -28,8 +29,8 @@ STORE_FORMAT_VERSION = 2  # 2: doc_source
 
 def build_store(source, vocab, *, cache_dir: PathLike | None = None,
                 num_threads: int | None = None,
-                batch_sentences: int = 20_000, max_sentence_chars: int = 2000
-                ) -> tuple[TokenStore, dict]:
+                batch_sentences: int = 20_000, max_sentence_chars: int = 2000,
+                pipelined: bool = True) -> tuple[TokenStore, dict]:
   """Tokenizes every document of `source` into a TokenStore.
 
   `source` is a sources.DocumentSource or any sequence of strings (a list works; its
@@ -37,7 +38,9 @@ def build_store(source, vocab, *, cache_dir: PathLike | None = None,
 
   Each document is split into sentences (sentences.split_sentences), sentences are
   encoded in batches of `batch_sentences` on `num_threads` threads (default: all
-  cores). Unusable documents (the source returns "") and sentences without tokens
+  cores), each batch while the next is split (pipelined=False: one after the other, on
+  one core: a Beam worker's share). Unusable documents (the source returns "") and
+  sentences without tokens
   are dropped and counted. With `cache_dir` (local, relative or absolute, or a URL such
   as gs://...), the store is saved under a key hashing (source identity, vocabulary
   bytes, splitter settings) and loaded on the next call.
@@ -77,7 +80,8 @@ def build_store(source, vocab, *, cache_dir: PathLike | None = None,
     doc_chunks.append(docs[kept])
 
   # Sentencepiece releases the GIL: batch k is encoded while batch k+1 is split.
-  with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+  with (concurrent.futures.ThreadPoolExecutor(max_workers=1) if pipelined
+        else _InlineExecutor()) as pool:
     def flush():
       in_flight.append((pool.submit(_encode_flat, vocab, list(pending), num_threads),
                         np.asarray(pending_docs, np.int64)))
@@ -125,6 +129,18 @@ def build_store(source, vocab, *, cache_dir: PathLike | None = None,
     tmp.write_text(json.dumps(stats, indent=1))
     tmp.replace(json_path)
   return store, dict(stats, cache="off" if npz_path is None else "miss")
+
+
+class _InlineExecutor(contextlib.AbstractContextManager):
+  """submit() runs the call at once and returns its finished future."""
+
+  def submit(self, fn, *args):
+    future = concurrent.futures.Future()
+    future.set_result(fn(*args))
+    return future
+
+  def __exit__(self, *exc):
+    return False
 
 
 def _require_tokens(store: TokenStore, source) -> None:
