@@ -171,7 +171,9 @@ def _run_beam(spec, vocab, ranges, out, rule, runner, num_workers, beam_args,
   options = PipelineOptions(
       beam_args, runner=runner, direct_num_workers=num_workers,
       direct_running_mode="multi_processing" if num_workers > 1 else "in_memory",
-      default_sdk_harness_log_level="WARNING")
+      default_sdk_harness_log_level="ERROR")
+  # Beam's DirectRunner forwards every worker's start-up warnings: keep its errors only.
+  logging.getLogger("apache_beam").setLevel(logging.ERROR)
   fn = _PrepareRange(spec, vocab, out, rule, max_sentence_chars)
   # The shard entries come back through one file in --out (workers may be other machines).
   results_path = os.path.join(out, ".prepare-results")
