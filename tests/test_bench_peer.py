@@ -142,6 +142,9 @@ def test_bert_inputs_put_mlm_targets_at_their_positions():
 @pytest.mark.parametrize("argv,published", [
     (["--config", "configs/bert_pretrain.py:large", "--config.model.dtype=bfloat16",
       "--config.train.batch_size=32", "--config.data.length=512", "--steps", "20"], None),
+    (["--config", "configs/bert_pretrain.py:large", "--config.data.length=512",
+      "--config.data.options.max_predictions_per_seq=80", "--config.train.batch_size=32",
+      "--steps", "20"], None),
     (["--config", "configs/bert_pretrain.py:base"], 110_106_428),
     (["--config", "configs/gpt2_pretrain.py:124m", "--config.model.dtype=bfloat16",
       "--config.train.batch_size=32", "--config.data.length=512", "--steps", "20"],

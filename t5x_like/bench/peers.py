@@ -18,7 +18,9 @@ load drifts over all of them alike) and each figure is the median of a runner's 
 steps. FLOPs: our model's formula for both (train/flops.py; transformers' BERT computes
 its MLM head at every position, only the predicted ones are counted: useful FLOPs). MFU
 is against `bench model`'s peak (peak_flops: the table on accelerators, measured on the
-CPU after the rounds) of the devices the runner uses.
+CPU after the rounds) of the devices the runner uses. On one GPU both frameworks share its
+memory: the CLI stops JAX from taking most of it up front
+(XLA_PYTHON_CLIENT_PREALLOCATE=false; from Python, set it before JAX starts).
 """
 
 from __future__ import annotations
