@@ -24,10 +24,9 @@ import os
 import time
 from typing import Optional, Sequence
 
-from t5x_like.data.prepared import (MANIFEST, SPLITS, manifest_dict, split_store,
-                                    write_shard)
+from t5x_like.data.prepared import MANIFEST, SPLITS, manifest_dict, write_shard
 from t5x_like.data.sources import source_from_spec
-from t5x_like.data.store import HeldOutRule
+from t5x_like.data.store import HeldOutRule, split_by_rule
 from t5x_like.errors import UserError
 from t5x_like.fs import PathLike, resolve_path
 
@@ -75,7 +74,7 @@ def prepare_range(source, vocab, index: int, lo: int, hi: int, out: PathLike,
   after = source.stats.as_dict() if hasattr(source, "stats") else {}
   bad = {k: after.get(k, 0) - before.get(k, 0) for k in after}
   shards = {split: write_shard(out, split, index, part)
-            for split, part in split_store(store, rule).items()}
+            for split, part in zip(SPLITS, split_by_rule(store, rule))}
   return {"index": index, "shards": shards, "bad_input": bad}
 
 

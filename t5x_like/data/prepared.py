@@ -6,7 +6,7 @@
   DIR/<split>-<k>.documents.npy          [D_k + 1] int64 sentence offsets of its documents
   DIR/<split>-<k>.sources.npy            [D_k] int64 source index of each document
 
-split is "train" and "held_out" (store.HeldOutRule at the manifest's held_out_fraction).
+split is "train" and "held_out" (store.split_by_rule at the manifest's held_out_fraction).
 Shard k holds the usable documents of source range [lo_k, hi_k), in source order, so
 the shards of a split, concatenated, are build_store's TokenStore of that split. The
 manifest records the format version, the vocabulary (family, size, fingerprint), the
@@ -36,7 +36,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from t5x_like.data.store import HeldOutRule, TokenStore
+from t5x_like.data.store import TokenStore
 from t5x_like.errors import UserError
 from t5x_like.fs import PathLike, is_url, resolve_path
 
@@ -54,31 +54,6 @@ class PreparedCorpusError(UserError, ValueError):
 # ------------------------------------------------------------------------ writing
 def shard_name(split: str, index: int, what: str) -> str:
   return f"{split}-{index:05d}.{what}.npy"
-
-
-def split_store(store: TokenStore, rule: HeldOutRule) -> dict[str, TokenStore]:
-  """{split: store} of `store` (whose doc_source are source indices) by `rule`."""
-  parts: dict[str, list] = {split: [] for split in SPLITS}
-  sources: dict[str, list] = {split: [] for split in SPLITS}
-  for d in range(store.num_docs):
-    lo, hi = int(store.doc_sentences[d]), int(store.doc_sentences[d + 1])
-    sentences = [store.sentence(s) for s in range(lo, hi)]
-    if rule.by_document:
-      pieces = {"held_out" if rule.document_held_out(store.source_index(d)) else "train":
-                sentences}
-    else:
-      cut = rule.sentence_cut(hi - lo)
-      pieces = {"train": sentences[:cut], "held_out": sentences[cut:]}
-    for split, kept in pieces.items():
-      if kept:
-        parts[split].append(kept)
-        sources[split].append(store.source_index(d))
-  out = {}
-  for split in SPLITS:
-    built = TokenStore.from_documents(parts[split])
-    out[split] = TokenStore(built.tokens, built.sentence_offsets, built.doc_sentences,
-                            np.asarray(sources[split], np.int64))
-  return out
 
 
 def _npy_bytes(array: np.ndarray) -> bytes:

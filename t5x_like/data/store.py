@@ -146,23 +146,37 @@ class HeldOutRule:
     return num_sentences - max(1, int(round(num_sentences * self.fraction)))
 
 
+def split_by_rule(store: TokenStore, rule: HeldOutRule) -> tuple[TokenStore, TokenStore]:
+  """(train, held-out) stores of `store` by `rule`; nothing is in both. Each keeps its
+  documents' source indices (store.doc_source)."""
+  parts: tuple[list, list] = ([], [])
+  sources: tuple[list, list] = ([], [])
+  for d in range(store.num_docs):
+    lo, hi = int(store.doc_sentences[d]), int(store.doc_sentences[d + 1])
+    sentences = [store.sentence(s) for s in range(lo, hi)]
+    if rule.by_document:
+      pieces = ((1 if rule.document_held_out(store.source_index(d)) else 0, sentences),)
+    else:
+      cut = rule.sentence_cut(hi - lo)
+      pieces = ((0, sentences[:cut]), (1, sentences[cut:]))
+    for side, kept in pieces:
+      if kept:
+        parts[side].append(kept)
+        sources[side].append(store.source_index(d))
+  out = []
+  for side in (0, 1):
+    built = TokenStore.from_documents(parts[side])
+    out.append(TokenStore(built.tokens, built.sentence_offsets, built.doc_sentences,
+                          np.asarray(sources[side], np.int64)))
+  return out[0], out[1]
+
+
 def split_held_out(store: TokenStore, fraction: float, num_source_docs: int | None = None
                    ) -> tuple[TokenStore, TokenStore]:
-  """(train, held-out) stores by HeldOutRule; nothing is in both.
+  """(train, held-out) stores by HeldOutRule at `fraction`.
 
   num_source_docs: documents in the store's source, unusable ones included (default:
   the store's own count); store.doc_source gives each document's source index.
   """
-  rule = HeldOutRule(fraction, store.num_docs if num_source_docs is None else num_source_docs)
-  sentences = lambda lo, hi: [store.sentence(s) for s in range(lo, hi)]
-  train, held = [], []
-  for d in range(store.num_docs):
-    lo, hi = int(store.doc_sentences[d]), int(store.doc_sentences[d + 1])
-    if rule.by_document:
-      (held if rule.document_held_out(store.source_index(d)) else train).append(
-          sentences(lo, hi))
-    else:
-      cut = lo + rule.sentence_cut(hi - lo)
-      train.append(sentences(lo, cut))
-      held.append(sentences(cut, hi))
-  return TokenStore.from_documents(train), TokenStore.from_documents(held)
+  return split_by_rule(store, HeldOutRule(
+      fraction, store.num_docs if num_source_docs is None else num_source_docs))
