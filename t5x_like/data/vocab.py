@@ -273,13 +273,88 @@ def default_vocab(family: str) -> Vocabulary:
 
 # ------------------------------------------------------------------ training
 def _without_tmp_paths(model_bytes: bytes) -> bytes:
-  """The model with the (temporary) rule file paths cleared: reproducible bytes."""
-  from sentencepiece import sentencepiece_model_pb2
-  proto = sentencepiece_model_pb2.ModelProto()
-  proto.ParseFromString(model_bytes)
-  proto.normalizer_spec.ClearField("normalization_rule_tsv")
-  proto.denormalizer_spec.ClearField("normalization_rule_tsv")
-  return proto.SerializeToString(deterministic=True)
+  """The model with the (temporary) rule file paths cleared: reproducible bytes.
+
+  Edits the serialized ModelProto directly (sentencepiece_model.proto: normalizer_spec
+  = 3, denormalizer_spec = 5, their normalization_rule_tsv = 6), so that no protobuf
+  runtime of a particular version is needed (sentencepiece's generated module pins one).
+  """
+  return _drop_fields(model_bytes, {3: _RULE_TSV, 5: _RULE_TSV})
+
+
+_RULE_TSV = 6
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+  value, shift = 0, 0
+  while True:
+    byte = data[at]
+    at += 1
+    value |= (byte & 0x7F) << shift
+    if byte < 0x80:
+      return value, at
+    shift += 7
+
+
+def _encode_varint(value: int) -> bytes:
+  out = bytearray()
+  while True:
+    byte = value & 0x7F
+    value >>= 7
+    if value:
+      out.append(byte | 0x80)
+    else:
+      out.append(byte)
+      return bytes(out)
+
+
+def _drop_fields(message: bytes, edits: dict) -> bytes:
+  """`message` (protobuf wire format) with, inside each length-delimited field k of
+  `edits`, the sub-field edits[k] removed."""
+  out, at = bytearray(), 0
+  while at < len(message):
+    start = at
+    key, at = _varint(message, at)
+    number, wire = key >> 3, key & 7
+    if wire == 0:
+      _, at = _varint(message, at)
+    elif wire == 1:
+      at += 8
+    elif wire == 5:
+      at += 4
+    elif wire == 2:
+      size, body = _varint(message, at)
+      at = body + size
+      if number in edits:
+        inner = _remove_field(message[body:at], edits[number])
+        out += _encode_varint(key) + _encode_varint(len(inner)) + inner
+        continue
+    else:
+      raise ValueError(f"sentencepiece model: unexpected wire type {wire} at byte {start}")
+    out += message[start:at]
+  return bytes(out)
+
+
+def _remove_field(message: bytes, drop: int) -> bytes:
+  out, at = bytearray(), 0
+  while at < len(message):
+    start = at
+    key, at = _varint(message, at)
+    wire = key & 7
+    if wire == 0:
+      _, at = _varint(message, at)
+    elif wire == 1:
+      at += 8
+    elif wire == 5:
+      at += 4
+    elif wire == 2:
+      size, body = _varint(message, at)
+      at = body + size
+    else:
+      raise ValueError(f"sentencepiece model: unexpected wire type {wire} at byte {start}")
+    if key >> 3 != drop:
+      out += message[start:at]
+  return bytes(out)
 
 
 def trainer_options(family: str, vocab_size: int, *, model_type: str = "unigram",
