@@ -308,52 +308,36 @@ def _encode_varint(value: int) -> bytes:
       return bytes(out)
 
 
+def _fields(message: bytes):
+  """(key, start, payload start, end) of each field of a protobuf wire-format message."""
+  at = 0
+  while at < len(message):
+    start = at
+    key, at = _varint(message, at)
+    body, wire = at, key & 7
+    if wire == 0:
+      _, at = _varint(message, at)
+    elif wire in (1, 5):
+      at += 8 if wire == 1 else 4
+    elif wire == 2:
+      size, body = _varint(message, at)
+      at = body + size
+    else:
+      raise ValueError(f"sentencepiece model: unexpected wire type {wire} at byte {start}")
+    yield key, start, body, at
+
+
 def _drop_fields(message: bytes, edits: dict) -> bytes:
   """`message` (protobuf wire format) with, inside each length-delimited field k of
   `edits`, the sub-field edits[k] removed."""
-  out, at = bytearray(), 0
-  while at < len(message):
-    start = at
-    key, at = _varint(message, at)
-    number, wire = key >> 3, key & 7
-    if wire == 0:
-      _, at = _varint(message, at)
-    elif wire == 1:
-      at += 8
-    elif wire == 5:
-      at += 4
-    elif wire == 2:
-      size, body = _varint(message, at)
-      at = body + size
-      if number in edits:
-        inner = _remove_field(message[body:at], edits[number])
-        out += _encode_varint(key) + _encode_varint(len(inner)) + inner
-        continue
+  out = bytearray()
+  for key, start, body, end in _fields(message):
+    if key & 7 == 2 and key >> 3 in edits:
+      inner = b"".join(message[body:end][s:e] for k, s, _, e in _fields(message[body:end])
+                       if k >> 3 != edits[key >> 3])
+      out += _encode_varint(key) + _encode_varint(len(inner)) + inner
     else:
-      raise ValueError(f"sentencepiece model: unexpected wire type {wire} at byte {start}")
-    out += message[start:at]
-  return bytes(out)
-
-
-def _remove_field(message: bytes, drop: int) -> bytes:
-  out, at = bytearray(), 0
-  while at < len(message):
-    start = at
-    key, at = _varint(message, at)
-    wire = key & 7
-    if wire == 0:
-      _, at = _varint(message, at)
-    elif wire == 1:
-      at += 8
-    elif wire == 5:
-      at += 4
-    elif wire == 2:
-      size, body = _varint(message, at)
-      at = body + size
-    else:
-      raise ValueError(f"sentencepiece model: unexpected wire type {wire} at byte {start}")
-    if key >> 3 != drop:
-      out += message[start:at]
+      out += message[start:end]
   return bytes(out)
 
 
