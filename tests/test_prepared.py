@@ -256,3 +256,17 @@ def test_prepare_and_train_on_gcs(gcs, prepared_t5, tmp_path):
   remote = _train(tmp_path / "remote", T5, f"--config.data.source=prepared:{url}")
   assert local.returncode == 0 and remote.returncode == 0, remote.stderr[-2000:]
   assert _metrics(tmp_path / "local") == _metrics(tmp_path / "remote")
+
+
+def test_scattered_gathers_equal_numpy_indexing(prepared_t5):
+  """Token reads by runs (pread) give plain numpy indexing of the concatenated shards,
+  for scattered, repeated and 2-D indices."""
+  vocab = default_vocab("t5")
+  store, _ = open_prepared(prepared_t5, vocab)
+  shards = sorted(prepared_t5.glob("train-*.tokens.npy"))
+  whole = np.concatenate([np.load(p) for p in shards])
+  rng = np.random.RandomState(0)
+  idx = np.concatenate([rng.randint(0, len(whole), 500), [0, 0, len(whole) - 1],
+                        np.arange(1000, 1100)])
+  np.testing.assert_array_equal(store.tokens[idx], whole[idx])
+  np.testing.assert_array_equal(store.tokens[idx.reshape(-1, 3)], whole[idx.reshape(-1, 3)])

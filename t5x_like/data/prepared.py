@@ -120,24 +120,11 @@ class _PreadArray:
       os.close(self._fd)
 
   def __getitem__(self, idx):
-    idx = np.asarray(idx, np.int64)
     if self._fd is None:
       self._fd = os.open(self.path, os.O_RDONLY)
-    flat = idx.reshape(-1)
-    if flat.size == 0:
-      return np.zeros(idx.shape, self.dtype)
-    wanted = np.unique(flat)
-    breaks = np.flatnonzero(np.diff(wanted) != 1) + 1
-    starts = wanted[np.concatenate([[0], breaks])]
-    ends = wanted[np.concatenate([breaks - 1, [len(wanted) - 1]])] + 1
     size = self.dtype.itemsize
-    values = np.empty(len(wanted), self.dtype)
-    at = 0
-    for lo, hi in zip(starts.tolist(), ends.tolist()):
-      data = os.pread(self._fd, (hi - lo) * size, self.offset + lo * size)
-      values[at:at + hi - lo] = np.frombuffer(data, self.dtype)
-      at += hi - lo
-    return values[np.searchsorted(wanted, flat)].reshape(idx.shape)
+    return _gather_runs(idx, self.dtype, lambda lo, hi: os.pread(
+        self._fd, (hi - lo) * size, self.offset + lo * size))
 
 
 class _MappedArray:
@@ -167,7 +154,8 @@ class _MappedArray:
 
 
 class _Blocks:
-  """Byte-range reads of a remote .npy's data with a small block cache."""
+  """Byte-range reads of a remote .npy's data, by runs of wanted elements, through a
+  small cache of 1 MiB blocks."""
 
   BLOCK = 1 << 20
 
@@ -189,19 +177,33 @@ class _Blocks:
         for b in missing:
           f.seek(self.offset + b * self.BLOCK)
           self._cache[b] = f.read(self.BLOCK)
-      while len(self._cache) > 64:
-        del self._cache[next(iter(self._cache))]
     data = b"".join(self._cache[b] for b in range(first, last + 1))
+    while len(self._cache) > 64:  # evict after the read: one run may span more blocks
+      del self._cache[next(iter(self._cache))]
     return data[lo - first * self.BLOCK:hi - first * self.BLOCK]
 
   def __getitem__(self, idx):
-    idx = np.asarray(idx, np.int64)
-    if idx.size == 0:
-      return np.zeros(idx.shape, self.dtype)
     size = self.dtype.itemsize
-    lo, hi = int(idx.min()), int(idx.max()) + 1
-    window = np.frombuffer(self._bytes(lo * size, hi * size), self.dtype)
-    return window[idx - lo]
+    return _gather_runs(idx, self.dtype, lambda lo, hi: self._bytes(lo * size, hi * size))
+
+
+def _gather_runs(idx, dtype: np.dtype, read) -> np.ndarray:
+  """array[idx] (any shape) where read(lo, hi) returns the bytes of elements [lo, hi):
+  one read per run of consecutive wanted elements."""
+  idx = np.asarray(idx, np.int64)
+  flat = idx.reshape(-1)
+  if flat.size == 0:
+    return np.zeros(idx.shape, dtype)
+  wanted = np.unique(flat)
+  breaks = np.flatnonzero(np.diff(wanted) != 1) + 1
+  starts = wanted[np.concatenate([[0], breaks])]
+  ends = wanted[np.concatenate([breaks - 1, [len(wanted) - 1]])] + 1
+  values = np.empty(len(wanted), dtype)
+  at = 0
+  for lo, hi in zip(starts.tolist(), ends.tolist()):
+    values[at:at + hi - lo] = np.frombuffer(read(lo, hi), dtype)
+    at += hi - lo
+  return values[np.searchsorted(wanted, flat)].reshape(idx.shape)
 
 
 class ShardedArray:
