@@ -16,6 +16,8 @@ import numpy as np
 
 from t5x_like.fs import PathLike, resolve_path
 
+STREAM_CHUNK_DOCS = 1024  # documents per chunk of the epoch streams (data/streams.py)
+
 
 @dataclasses.dataclass(frozen=True)
 class TokenStore:
@@ -26,6 +28,10 @@ class TokenStore:
   doc_sentences: [D + 1] int64; document d is sentences doc_sentences[d] .. doc_sentences[d+1]-1.
   doc_source: [D] int64, each document's index in its source (unusable source documents
   are skipped), or None: 0 .. D-1.
+  doc_token_table: [D + 1] int64 token offsets of the documents, or None: read through the
+  sentence table (sentence_offsets[doc_sentences]).
+  chunk_token_table: [C + 1] int64, doc_token_table at documents 0, K, 2K, ... and D
+  (K = STREAM_CHUNK_DOCS, C = ceil(D / K)), or None: gathered.
   Every document has at least one sentence and every sentence at least one token.
   The arrays may be numpy memory maps or other random-access arrays (data/prepared.py).
   """
@@ -34,6 +40,8 @@ class TokenStore:
   sentence_offsets: np.ndarray
   doc_sentences: np.ndarray
   doc_source: Optional[np.ndarray] = None
+  doc_token_table: Optional[np.ndarray] = None
+  chunk_token_table: Optional[np.ndarray] = None
 
   def __post_init__(self):
     if self.sentence_offsets[0] != 0 or self.sentence_offsets[-1] != len(self.tokens):
@@ -56,11 +64,28 @@ class TokenStore:
   @property
   def doc_offsets(self) -> np.ndarray:
     """[D + 1] token offsets of the documents."""
-    return self.sentence_offsets[self.doc_sentences]
+    return self._doc_token_gather(np.arange(self.num_docs + 1))
+
+  def doc_token_offsets(self, lo: int, hi: int) -> np.ndarray:
+    """[hi - lo + 1] token offsets of documents lo .. hi (hi = D: the end)."""
+    return self._doc_token_gather(np.arange(lo, hi + 1))
+
+  def chunk_token_offsets(self) -> np.ndarray:
+    """[C + 1] token offsets of documents 0, K, 2K, ... and of the end, K =
+    STREAM_CHUNK_DOCS: where each chunk of K consecutive documents starts."""
+    if self.chunk_token_table is not None:
+      return np.asarray(self.chunk_token_table, np.int64)
+    return self._doc_token_gather(
+        np.append(np.arange(0, self.num_docs, STREAM_CHUNK_DOCS), self.num_docs))
+
+  def _doc_token_gather(self, docs: np.ndarray) -> np.ndarray:
+    if self.doc_token_table is not None:
+      return np.asarray(self.doc_token_table[docs], np.int64)
+    return np.asarray(self.sentence_offsets[np.asarray(self.doc_sentences[docs])], np.int64)
 
   def doc_tokens(self, d: int) -> np.ndarray:
-    offsets = self.doc_offsets
-    return self.tokens[offsets[d]:offsets[d + 1]]
+    lo, hi = self.doc_token_offsets(d, d + 1)
+    return self.tokens[lo:hi]
 
   def source_index(self, d: int) -> int:
     return d if self.doc_source is None else int(self.doc_source[d])
