@@ -1,14 +1,23 @@
 """BERT pretraining examples: sentence pairs with NSP and on-the-fly masking (Devlin et al. 2019).
 
 Instances are built as google-research/bert's create_instances_from_document does,
-once per epoch (documents in an order permuted by default_rng([seed, epoch]), all
-draws from that generator) into a plan of token-range references into the store.
+once per epoch into a plan of token-range references into the store (bert_plan.py:
+all documents advance in lockstep with numpy, no Python loop over sentences).
+default_rng([seed, epoch]) gives a 64-bit key, the document order (a permutation;
+the plan lists instances by permuted document, then instance order) and, last, the
+truncation's front drops. Every other plan draw (the short-target coin and length,
+once per document; each instance's cut, IsNext/NotNext coin, other document and its
+start sentence) is a counter-based uniform: splitmix64 of (key, document index,
+instance number within the document, slot), so the plan is a pure function of
+(seed, epoch) whatever the order in which documents are processed.
 Example i of the epoch then applies masking with example_rng(seed, epoch, i), so
 any example is regenerated without replaying the epoch.
 
 Deliberate differences from the reference, all distribution-preserving or fixes:
 - a NotNext B is drawn uniformly from the *other* documents (the reference retries
   10 times and may, with probability (1/D)^10, keep the same document);
+- the plan's draws are counter-based uniforms (above), not the reference's one
+  sequential stream: the same distributions;
 - truncation draws the number of front drops of each side as Binomial(drops, 1/2)
   instead of one coin per dropped token (the same distribution);
 - whole-word masking never joins a word across [CLS]/[SEP] (the reference lets a
@@ -29,134 +38,15 @@ is no `nsp_labels` feature (the model then skips the NSP loss).
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
 from typing import Optional
 
 import numpy as np
 
+from t5x_like.data.bert_plan import (  # noqa: F401 (re-exported)
+    BertPlan, build_plan, truncation_drops)
 from t5x_like.data.objective import (Example, Objective, ObjectiveSpec, example_rng,
                                      require_special_ids)
 from t5x_like.data.store import TokenStore
-
-
-@dataclasses.dataclass(frozen=True)
-class BertPlan:
-  """One epoch's instances as token ranges of store.tokens (after truncation).
-
-  a_start, a_len, b_start, b_len, nsp_label: [I] int64 (b_len = 0 without NSP).
-  """
-
-  a_start: np.ndarray
-  a_len: np.ndarray
-  b_start: np.ndarray
-  b_len: np.ndarray
-  nsp_label: np.ndarray
-
-  def __len__(self) -> int:
-    return len(self.a_start)
-
-
-class _Uniforms:
-  """Scalar uniforms from a numpy generator, drawn in blocks (scalar calls are slow)."""
-
-  def __init__(self, rng: np.random.Generator, block: int = 1 << 16):
-    self._rng, self._block = rng, block
-    self._buf: list[float] = []
-    self._i = 0
-
-  def __call__(self) -> float:
-    if self._i == len(self._buf):
-      self._buf, self._i = self._rng.random(self._block).tolist(), 0
-    self._i += 1
-    return self._buf[self._i - 1]
-
-  def randint(self, lo: int, hi: int) -> int:
-    """Uniform integer in [lo, hi], both ends included (Python's random.randint)."""
-    return lo + int(self() * (hi - lo + 1))
-
-
-def truncation_drops(len_a: np.ndarray, len_b: np.ndarray, max_tokens: int
-                     ) -> tuple[np.ndarray, np.ndarray]:
-  """Tokens dropped from A and from B by the reference's truncate_seq_pair, which drops
-  one token at a time from the longer side (B on ties) until len_a + len_b <= max_tokens."""
-  len_a, len_b = np.asarray(len_a, np.int64), np.asarray(len_b, np.int64)
-  excess = np.maximum(len_a + len_b - max_tokens, 0)
-  only_a = len_a - len_b >= excess  # A stays strictly longer for every drop
-  only_b = len_b - len_a >= excess - 1  # B stays at least as long for every drop
-  drop_a = np.where(only_a, excess, np.where(only_b, 0, len_a - (max_tokens + 1) // 2))
-  return drop_a, excess - drop_a
-
-
-def build_plan(store: TokenStore, rng: np.random.Generator, *, max_seq_length: int,
-               short_seq_prob: float = 0.1, nsp: bool = True) -> BertPlan:
-  """All instances of one epoch (documents in a permuted order, then sentence order)."""
-  u = _Uniforms(rng)
-  num_docs = store.num_docs
-  offsets = store.sentence_offsets.tolist()
-  doc_sentences = store.doc_sentences.tolist()
-  max_tokens = max_seq_length - (3 if nsp else 2)
-  if max_tokens < 2:
-    raise ValueError(f"max_seq_length={max_seq_length} is too short for BERT instances")
-  a_start, a_end, b_start, b_end, label = [], [], [], [], []
-  for d in rng.permutation(num_docs).tolist():
-    first, last = doc_sentences[d], doc_sentences[d + 1]
-    target = max_tokens
-    if u() < short_seq_prob:
-      target = u.randint(2, max_tokens)
-    i = first
-    if not nsp:  # whole sentences up to the target, the overflowing one starts the next
-      while i < last:
-        start = i
-        i += 1
-        while i < last and offsets[i + 1] - offsets[start] <= target:
-          i += 1
-        a_start.append(offsets[start])
-        a_end.append(offsets[i])
-      continue
-    chunk = i  # first sentence of the current chunk
-    while i < last:
-      if i < last - 1 and offsets[i + 1] - offsets[chunk] < target:
-        i += 1
-        continue
-      size = i - chunk + 1  # sentences chunk..i
-      cut = 1 if size < 2 else u.randint(1, size - 1)
-      a_start.append(offsets[chunk])
-      a_end.append(offsets[chunk + cut])
-      if size == 1 or u() < 0.5:  # NotNext: B from another document
-        other = d
-        if num_docs > 1:
-          other = u.randint(0, num_docs - 2)
-          other += other >= d
-        o_first, o_last = doc_sentences[other], doc_sentences[other + 1]
-        s = o_first + u.randint(0, o_last - o_first - 1)
-        need = offsets[s] + target - (a_end[-1] - a_start[-1])
-        # the first sentence whose end reaches `need`, at least one, at most the last
-        end = min(bisect.bisect_left(offsets, need, s + 1, o_last), o_last)
-        b_start.append(offsets[s])
-        b_end.append(offsets[end])
-        label.append(1)
-        i = chunk + cut  # the chunk's unused sentences go back for the next instance
-      else:
-        b_start.append(offsets[chunk + cut])
-        b_end.append(offsets[i + 1])
-        label.append(0)
-        i += 1
-      chunk = i
-  a_start = np.asarray(a_start, np.int64)
-  a_len = np.asarray(a_end, np.int64) - a_start
-  if nsp:
-    b_start = np.asarray(b_start, np.int64)
-    b_len = np.asarray(b_end, np.int64) - b_start
-    drop_a, drop_b = truncation_drops(a_len, b_len, max_tokens)
-  else:
-    b_start = np.zeros_like(a_start)
-    b_len = np.zeros_like(a_start)
-    drop_a, drop_b = np.maximum(a_len - max_tokens, 0), np.zeros_like(a_len)
-  front_a = rng.binomial(drop_a, 0.5)
-  front_b = rng.binomial(drop_b, 0.5)
-  return BertPlan(a_start + front_a, a_len - drop_a, b_start + front_b, b_len - drop_b,
-                  np.asarray(label if nsp else np.zeros(len(a_start)), np.int64))
 
 
 def num_to_predict(length: np.ndarray, masked_lm_prob: float,
