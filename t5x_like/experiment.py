@@ -91,7 +91,7 @@ def build_data(config, workdir: str):
       path, split = prepared_path(spec)
       store, manifest = open_prepared(path, vocab, split=split or default_split,
                                       held_out_fraction=held_out_fraction,
-                                      verify=data.get("verify_checksums", True))
+                                      verify=data.get("verify_checksums", "blocks"))
       return store, describe(manifest)
     return build_store(source_from_spec(spec), vocab, cache_dir=cache_dir)
 

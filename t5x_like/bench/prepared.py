@@ -4,10 +4,13 @@
 
 For each size, a synthetic corpus is written to a scratch folder: the embedded books
 over and over, each copy's words shuffled within every line by a seeded generator (new
-text with the books' vocabulary and line lengths), one text file per copy. Then:
+text with the books' vocabulary and line lengths), cut into documents of 40 lines
+(about 2 KB, web-page sized: a 2 GB corpus has about a million), one JSONL file per
+copy. Then:
 - prepare: `t5x-like data prepare`'s pipeline (DirectRunner) with 1 and with 2 worker
   processes: seconds and characters/s per worker;
-- start-up: a fresh process opens the prepared corpus (checksums verified, or not),
+- start-up: a fresh process opens the prepared corpus (verify "blocks", the default:
+  each block read is CRC-checked; and "full": every file hashed first),
   builds the objective and makes the first host batch: seconds, and how far its peak
   RSS (VmHWM, reset after the imports) grows over the RSS after the imports while it
   also makes 30 more batches (the data side's memory; Linux /proc), split at the end
@@ -36,7 +39,7 @@ from t5x_like.data.loader import BatchPlan
 from t5x_like.data.pipeline import OBJECTIVES, make_objective
 from t5x_like.data.prepared import open_prepared
 from t5x_like.data.vocab import default_vocab
-path, objective, verify = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+path, objective, verify = sys.argv[1], sys.argv[2], sys.argv[3]
 spec = OBJECTIVES[objective]
 vocab = default_vocab(spec.vocab_family)
 def status_kb(key):
@@ -70,13 +73,16 @@ print(json.dumps({
 """
 
 
+DOC_LINES = 40
+
+
 def write_synthetic_corpus(folder: str, size_mb: float, seed: int = 0) -> dict:
-  """Text files of about size_mb MB in `folder` (module docstring); their counts."""
+  """JSONL files of about size_mb MB of text in `folder` (module docstring); counts."""
   from t5x_like import corpus
   books = [corpus.read_book(name) for name in corpus.book_names()]
   rng = np.random.default_rng(seed)
   os.makedirs(folder, exist_ok=True)
-  written, files = 0, 0
+  written, files, documents = 0, 0, 0
   target = int(size_mb * 1e6)
   while written < target:
     book = books[files % len(books)]
@@ -85,16 +91,21 @@ def write_synthetic_corpus(folder: str, size_mb: float, seed: int = 0) -> dict:
       words = line.split(" ")
       rng.shuffle(words)
       lines.append(" ".join(words))
-    text = "\n".join(lines)[:target - written + 1]
-    with open(os.path.join(folder, f"doc-{files:06d}.txt"), "w") as f:
-      f.write(text)
-    written += len(text.encode())
+    docs = ["\n".join(lines[i:i + DOC_LINES]) for i in range(0, len(lines), DOC_LINES)]
+    with open(os.path.join(folder, f"copy-{files:05d}.jsonl"), "w") as f:
+      for doc in docs:
+        if written >= target:
+          break
+        if doc.strip():
+          f.write(json.dumps({"text": doc}) + "\n")
+          written += len(doc.encode())
+          documents += 1
     files += 1
-  return {"files": files, "bytes": written}
+  return {"files": files, "documents": documents, "bytes": written}
 
 
-def _startup(path: str, objective: str, verify: bool) -> dict:
-  out = subprocess.run([sys.executable, "-c", _STARTUP, path, objective, "1" if verify else "0"],
+def _startup(path: str, objective: str, verify: str) -> dict:
+  out = subprocess.run([sys.executable, "-c", _STARTUP, path, objective, verify],
                        capture_output=True, text=True, check=True,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
   return json.loads(out.stdout.strip().splitlines()[-1])
@@ -114,13 +125,14 @@ def bench_prepared(*, sizes_mb=(50, 2000), objective: str = "span_corruption",
     for size in sizes_mb:
       text_dir = os.path.join(root, f"text-{size}")
       made = write_synthetic_corpus(text_dir, size)
-      row = {"text_files": made["files"], "text_bytes": made["bytes"], "prepare": {}}
+      row = {"text_files": made["files"], "text_documents": made["documents"],
+             "text_bytes": made["bytes"], "prepare": {}}
       vocab = default_vocab(OBJECTIVES[objective].vocab_family)
       prepared = None
       for n in workers:
         out = os.path.join(root, f"prepared-{size}-{n}")
         start = time.perf_counter()
-        manifest = run_prepare(f"text:{text_dir}/*.txt", vocab, out, held_out_fraction=0.02,
+        manifest = run_prepare(f"jsonl:{text_dir}/*.jsonl", vocab, out, held_out_fraction=0.02,
                                num_workers=n, num_shards=max(4, 2 * n))
         seconds = time.perf_counter() - start
         row["prepare"][f"workers_{n}"] = {
@@ -133,8 +145,8 @@ def bench_prepared(*, sizes_mb=(50, 2000), objective: str = "span_corruption",
       times = [row["prepare"][f"workers_{n}"]["seconds"] for n in workers]
       row["prepare"]["speedup_last_over_first"] = round(times[0] / times[-1], 2)
       shutil.rmtree(text_dir)
-      row["startup_verified"] = _startup(prepared, objective, verify=True)
-      row["startup_unverified"] = _startup(prepared, objective, verify=False)
+      row["startup_blocks"] = _startup(prepared, objective, verify="blocks")
+      row["startup_full"] = _startup(prepared, objective, verify="full")
       result["sizes"][f"{size}MB"] = row
       shutil.rmtree(prepared)
   finally:

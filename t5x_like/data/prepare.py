@@ -10,7 +10,8 @@ each Beam element is one range, tokenized by one worker exactly as build_store d
 store.HeldOutRule at data.eval_fraction, then written as the range's shard files. A
 last step writes manifest.json. Every shard is a function of (source, vocabulary,
 range) alone, so the corpus is the same bit for bit whatever the runner and the number
-of workers. The DirectRunner with several worker processes is the local default; on
+of workers. Then each split's chunk table (the token offset of every
+store.STREAM_CHUNK_DOCS-th document) is written from the shards. The DirectRunner with several worker processes is the local default; on
 Dataflow, pass `--runner DataflowRunner -- --project P --region R --temp_location
 gs://...` and a gs:// --out.
 """
@@ -24,7 +25,8 @@ import os
 import time
 from typing import Optional, Sequence
 
-from t5x_like.data.prepared import MANIFEST, SPLITS, manifest_dict, write_shard
+from t5x_like.data.prepared import (MANIFEST, SPLITS, manifest_dict, write_chunk_tables,
+                                    write_shard)
 from t5x_like.data.sources import source_from_spec
 from t5x_like.data.store import HeldOutRule, split_by_rule
 from t5x_like.errors import UserError
@@ -135,6 +137,7 @@ def run_prepare(spec: str, vocab, out: PathLike, *, held_out_fraction: float,
       bad_input=bad)
   if not manifest["totals"]["train"]["documents"]:
     raise UserError(f"data prepare: no document of source {spec!r} yields a token")
+  manifest = write_chunk_tables(path, manifest)
   (path / MANIFEST).write_text(json.dumps(manifest, indent=1))
   return dict(manifest, seconds=round(time.perf_counter() - start, 3),
               runner=f"{runner} x{num_workers}")

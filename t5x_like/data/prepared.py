@@ -4,7 +4,12 @@
   DIR/<split>-<k>.tokens.npy             [N_k] int32, shard k's sentences back to back
   DIR/<split>-<k>.sentences.npy          [S_k + 1] int64 token offsets of its sentences
   DIR/<split>-<k>.documents.npy          [D_k + 1] int64 sentence offsets of its documents
+  DIR/<split>-<k>.doc_tokens.npy         [D_k + 1] int64 token offsets of its documents
   DIR/<split>-<k>.sources.npy            [D_k] int64 source index of each document
+  DIR/<split>.chunks.npy                 [C + 1] int64 token offsets of the split's
+                                         documents 0, K, 2K, ... and its end
+                                         (K = store.STREAM_CHUNK_DOCS)
+  DIR/<file>.crc32                       a CRC-32 per 16 KiB block of <file>
 
 split is "train" and "held_out" (store.split_by_rule at the manifest's held_out_fraction).
 Shard k holds the usable documents of source range [lo_k, hi_k), in source order, so
@@ -12,16 +17,17 @@ the shards of a split, concatenated, are build_store's TokenStore of that split.
 manifest records the format version, the vocabulary (family, size, fingerprint), the
 splitter settings, the source spec, per-shard counts, the bytes and SHA-256 of every
 file, and the source's bad-input counters. `.npy` files: a fixed header with dtype and
-shape, then the raw array, so any position is one byte offset away: tokens are read by
-contiguous runs (os.pread; byte ranges on gs://), offset tables memory-mapped, and any
-other language reads them.
+shape, then the raw array, so any position is one byte offset away, and any other
+language reads them.
 
-  store = open_prepared("DIR", vocab, split="train")   # a TokenStore over the shards
+  store, manifest = open_prepared("DIR", vocab, split="train")   # a TokenStore
 
-Opening checks everything that is cheap to check before training: the manifest and its
-format version, the vocabulary, that every file is there at its recorded size, and
-(verify=True, the default) every file's SHA-256, hashed on threads; it reads no token
-into memory. Errors are PreparedCorpusError: one line naming the file.
+Opening reads the manifest and the chunk table and checks what is cheap to check: the
+format version, the vocabulary, that every file is there at its recorded size. Nothing
+else is read until an example needs it (data/shard_files.py). verify="blocks" (the
+default) checks each 16 KiB block a read touches against its CRC-32; verify="full"
+also hashes every file (SHA-256, on threads) before opening returns, O(corpus);
+verify="none" checks no content. Errors are PreparedCorpusError: one line naming the file.
 """
 
 from __future__ import annotations
@@ -30,25 +36,25 @@ import concurrent.futures
 import hashlib
 import io
 import json
-import mmap
 import os
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from t5x_like.data.store import TokenStore
+from t5x_like.data.shard_files import (CRC_BLOCK_BYTES, PreparedCorpusError, ShardedArray,
+                                       ShardFile, block_crcs, check_file)
+from t5x_like.data.store import STREAM_CHUNK_DOCS, TokenStore
 from t5x_like.errors import UserError
-from t5x_like.fs import PathLike, is_url, resolve_path
+from t5x_like.fs import PathLike, resolve_path
 
 FORMAT = "t5x_like.prepared"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SPLITS = ("train", "held_out")
-FILES = ("tokens", "sentences", "documents", "sources")
+FILES = ("tokens", "sentences", "documents", "doc_tokens", "sources")
 MANIFEST = "manifest.json"
+VERIFY_MODES = ("blocks", "full", "none")
 
-
-class PreparedCorpusError(UserError, ValueError):
-  """A prepared corpus that cannot be read as it is (missing, damaged, foreign)."""
+__all__ = ["PreparedCorpusError", "ShardedArray", "open_prepared", "read_manifest"]
 
 
 # ------------------------------------------------------------------------ writing
@@ -62,22 +68,41 @@ def _npy_bytes(array: np.ndarray) -> bytes:
   return buf.getvalue()
 
 
+def write_file(out_dir: PathLike, name: str, array: np.ndarray) -> dict:
+  """Writes `name` (.npy) and its CRC-32 sidecar; returns its manifest entry."""
+  out = resolve_path(out_dir, "--out")
+  data = _npy_bytes(array)
+  crcs = block_crcs(data, CRC_BLOCK_BYTES)
+  (out / name).write_bytes(data)
+  (out / f"{name}.crc32").write_bytes(crcs)
+  return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+          "crc32": {"name": f"{name}.crc32", "bytes": len(crcs),
+                    "sha256": hashlib.sha256(crcs).hexdigest()}}
+
+
 def write_shard(out_dir: PathLike, split: str, index: int, store: TokenStore) -> dict:
   """Writes shard `index` of `split`; returns its manifest entry."""
-  out = resolve_path(out_dir, "--out")
   arrays = {"tokens": np.asarray(store.tokens, np.int32),
             "sentences": np.asarray(store.sentence_offsets, np.int64),
             "documents": np.asarray(store.doc_sentences, np.int64),
+            "doc_tokens": store.doc_offsets,
             "sources": (np.arange(store.num_docs, dtype=np.int64) if store.doc_source is None
                         else np.asarray(store.doc_source, np.int64))}
-  files = {}
-  for what, array in arrays.items():
-    data = _npy_bytes(array)
-    name = shard_name(split, index, what)
-    (out / name).write_bytes(data)
-    files[what] = {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+  files = {what: write_file(out_dir, shard_name(split, index, what), array)
+           for what, array in arrays.items()}
   return {"index": index, "documents": store.num_docs, "sentences": store.num_sentences,
           "tokens": store.num_tokens, "files": files}
+
+
+def write_chunk_tables(out_dir: PathLike, manifest: dict) -> dict:
+  """Writes each split's chunk table (read from its shards' doc_tokens) and returns
+  the manifest with their entries under "chunks"."""
+  chunks = {}
+  for split in SPLITS:
+    store = _open_split(resolve_path(out_dir, "--out"), manifest, split, check=True,
+                        with_chunks=False)
+    chunks[split] = write_file(out_dir, f"{split}.chunks.npy", store.chunk_token_offsets())
+  return dict(manifest, chunks=dict(chunks, stream_chunk_docs=STREAM_CHUNK_DOCS))
 
 
 def manifest_dict(*, source_spec: str, vocab, max_sentence_chars: int, held_out_fraction: float,
@@ -91,7 +116,7 @@ def manifest_dict(*, source_spec: str, vocab, max_sentence_chars: int, held_out_
                     "fingerprint": vocab.fingerprint, "path": vocab.path},
           "splitter": {"max_sentence_chars": max_sentence_chars,
                        "store_format_version": STORE_FORMAT_VERSION},
-          "held_out_fraction": held_out_fraction, "source_documents": num_source_docs,
+          "crc_block_bytes": CRC_BLOCK_BYTES, "held_out_fraction": held_out_fraction, "source_documents": num_source_docs,
           "shard_ranges": [list(r) for r in shard_ranges], "totals": totals,
           "bad_input": bad_input,
           "splits": {split: sorted(shards[split], key=lambda s: s["index"])
@@ -99,193 +124,6 @@ def manifest_dict(*, source_spec: str, vocab, max_sentence_chars: int, held_out_
 
 
 # ------------------------------------------------------------------------ reading
-class _PreadArray:
-  """A local .npy's data read by contiguous runs with os.pread: a batch's windows cost
-  a few reads, and no page of the file is mapped into the process (a memory map would
-  count every page it faults in, and the kernel maps whole folios: measured, a 2 GB
-  corpus put 1.4 GB of file pages into the RSS of 31 batches)."""
-
-  def __init__(self, path: str, offset: int, dtype: np.dtype, length: int):
-    self.path, self.offset, self.dtype, self.length = path, offset, dtype, length
-    self._fd: Optional[int] = None
-
-  def __len__(self):
-    return self.length
-
-  def __getstate__(self):  # loader worker processes reopen the file
-    return dict(self.__dict__, _fd=None)
-
-  def __del__(self):
-    if self._fd is not None:
-      os.close(self._fd)
-
-  def __getitem__(self, idx):
-    if self._fd is None:
-      self._fd = os.open(self.path, os.O_RDONLY)
-    size = self.dtype.itemsize
-    return _gather_runs(idx, self.dtype, lambda lo, hi: os.pread(
-        self._fd, (hi - lo) * size, self.offset + lo * size))
-
-
-class _MappedArray:
-  """A local .npy memory-mapped for random access (offset tables: a gather touches
-  scattered entries); mapped again after pickling (loader worker processes)."""
-
-  def __init__(self, path: str):
-    self.path = path
-    self._array = None
-
-  def __getstate__(self):
-    return dict(self.__dict__, _array=None)
-
-  def _mapped(self) -> np.ndarray:
-    if self._array is None:
-      self._array = np.load(self.path, mmap_mode="r")
-      mapping = getattr(self._array, "_mmap", None)
-      if mapping is not None and hasattr(mmap, "MADV_RANDOM"):
-        mapping.madvise(mmap.MADV_RANDOM)  # no readahead around scattered reads
-    return self._array
-
-  def __len__(self):
-    return len(self._mapped())
-
-  def __getitem__(self, idx):
-    return self._mapped()[idx]
-
-
-class _Blocks:
-  """Byte-range reads of a remote .npy's data, by runs of wanted elements, through a
-  small cache of 1 MiB blocks."""
-
-  BLOCK = 1 << 20
-
-  def __init__(self, path, offset: int, dtype: np.dtype, length: int):
-    self.path, self.offset, self.dtype, self.length = path, offset, dtype, length
-    self._cache: dict[int, bytes] = {}
-
-  def __len__(self):
-    return self.length
-
-  def __getstate__(self):
-    return dict(self.__dict__, _cache={})
-
-  def _bytes(self, lo: int, hi: int) -> bytes:
-    first, last = lo // self.BLOCK, (hi - 1) // self.BLOCK
-    missing = [b for b in range(first, last + 1) if b not in self._cache]
-    if missing:
-      with self.path.open("rb") as f:
-        for b in missing:
-          f.seek(self.offset + b * self.BLOCK)
-          self._cache[b] = f.read(self.BLOCK)
-    data = b"".join(self._cache[b] for b in range(first, last + 1))
-    while len(self._cache) > 64:  # evict after the read: one run may span more blocks
-      del self._cache[next(iter(self._cache))]
-    return data[lo - first * self.BLOCK:hi - first * self.BLOCK]
-
-  def __getitem__(self, idx):
-    size = self.dtype.itemsize
-    return _gather_runs(idx, self.dtype, lambda lo, hi: self._bytes(lo * size, hi * size))
-
-
-def _gather_runs(idx, dtype: np.dtype, read) -> np.ndarray:
-  """array[idx] (any shape) where read(lo, hi) returns the bytes of elements [lo, hi):
-  one read per run of consecutive wanted elements."""
-  idx = np.asarray(idx, np.int64)
-  flat = idx.reshape(-1)
-  if flat.size == 0:
-    return np.zeros(idx.shape, dtype)
-  wanted = np.unique(flat)
-  breaks = np.flatnonzero(np.diff(wanted) != 1) + 1
-  starts = wanted[np.concatenate([[0], breaks])]
-  ends = wanted[np.concatenate([breaks - 1, [len(wanted) - 1]])] + 1
-  values = np.empty(len(wanted), dtype)
-  at = 0
-  for lo, hi in zip(starts.tolist(), ends.tolist()):
-    values[at:at + hi - lo] = np.frombuffer(read(lo, hi), dtype)
-    at += hi - lo
-  return values[np.searchsorted(wanted, flat)].reshape(idx.shape)
-
-
-class ShardedArray:
-  """A read-only 1-D array made of shard arrays: part k is `arrays[k][:lengths[k]] +
-  adds[k]`, then an optional last element `tail`. Indexing by int, slice or an int
-  array (any shape) gathers from the shards; nothing is loaded whole."""
-
-  def __init__(self, arrays: list, lengths: Sequence[int], adds: Sequence[int], dtype,
-               tail: Optional[int] = None):
-    self.arrays, self.adds, self.dtype, self.tail = arrays, list(adds), np.dtype(dtype), tail
-    self.starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    self.length = int(self.starts[-1]) + (tail is not None)
-    self.elements_read = 0  # how much this process has gathered (tests, benchmarks)
-
-  def __len__(self) -> int:
-    return self.length
-
-  @property
-  def shape(self) -> tuple[int]:
-    return (self.length,)
-
-  def __array__(self, dtype=None, copy=None):
-    out = self[np.arange(self.length)]
-    return out if dtype is None else out.astype(dtype)
-
-  def tolist(self) -> list:
-    return np.asarray(self).tolist()
-
-  def __getitem__(self, idx):
-    if isinstance(idx, (int, np.integer)):
-      i = int(idx) + (self.length if idx < 0 else 0)
-      if not 0 <= i < self.length:
-        raise IndexError(f"index {int(idx)} out of range for length {self.length}")
-      return self[np.asarray([i])][0]
-    if isinstance(idx, slice):
-      return self[np.arange(*idx.indices(self.length))]
-    idx = np.asarray(idx, np.int64)
-    flat = idx.reshape(-1)
-    self.elements_read += flat.size
-    out = np.empty(flat.shape, self.dtype)
-    part = np.searchsorted(self.starts, flat, side="right") - 1
-    for k in np.unique(part):
-      sel = part == k
-      if k == len(self.arrays):  # the tail
-        out[sel] = self.tail
-        continue
-      local = flat[sel] - self.starts[k]
-      out[sel] = np.asarray(self.arrays[k][local], self.dtype) + self.adds[k]
-    return out.reshape(idx.shape)
-
-
-def _open_npy(path, entry: dict):
-  """A random-access reader of a shard file (by byte ranges on a URL, by pread for local
-  tokens, memory-mapped for local offset tables), its header checked against the
-  manifest."""
-  name = entry["name"]
-  if not path.exists():
-    raise PreparedCorpusError(f"prepared corpus {path.parent}: shard file {name} is missing")
-  size = path.stat().length if hasattr(path.stat(), "length") else path.stat().st_size
-  if size != entry["bytes"]:
-    raise PreparedCorpusError(f"prepared corpus {path.parent}: shard file {name} has {size}"
-                              f" bytes, the manifest says {entry['bytes']} (truncated or"
-                              " replaced)")
-  with path.open("rb") as f:
-    try:
-      version = np.lib.format.read_magic(f)
-      read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                     else np.lib.format.read_array_header_2_0)
-      shape, _, dtype = read_header(f)
-    except ValueError as e:
-      raise PreparedCorpusError(f"prepared corpus {path.parent}: shard file {name} is not a"
-                                f" .npy array ({e})") from None
-    offset = f.tell()
-  if len(shape) != 1:
-    raise PreparedCorpusError(f"prepared corpus {path.parent}: {name} has shape {shape}")
-  if is_url(os.fspath(path)):
-    return _Blocks(path, offset, np.dtype(dtype), shape[0])
-  if entry["name"].endswith(".tokens.npy"):
-    return _PreadArray(os.fspath(path), offset, np.dtype(dtype), shape[0])
-  return _MappedArray(os.fspath(path))
-
-
 def _sha256(path) -> str:
   h = hashlib.sha256()
   with path.open("rb") as f:
@@ -315,7 +153,7 @@ def read_manifest(path: PathLike) -> dict:
   return manifest
 
 
-def open_prepared(path: PathLike, vocab, *, split: str = "train", verify: bool = True,
+def open_prepared(path: PathLike, vocab, *, split: str = "train", verify: str = "blocks",
                   held_out_fraction: Optional[float] = None) -> tuple[TokenStore, dict]:
   """(TokenStore over the shards of `split`, manifest); see the module docstring.
 
@@ -323,6 +161,8 @@ def open_prepared(path: PathLike, vocab, *, split: str = "train", verify: bool =
   """
   if split not in SPLITS:
     raise ValueError(f"split={split!r}: expected one of {SPLITS}")
+  if verify not in VERIFY_MODES:
+    raise UserError(f"data.verify_checksums={verify!r}: expected one of {VERIFY_MODES}")
   root = resolve_path(path, "prepared corpus")
   manifest = read_manifest(path)
   file = root / MANIFEST
@@ -337,33 +177,63 @@ def open_prepared(path: PathLike, vocab, *, split: str = "train", verify: bool =
     raise PreparedCorpusError(
         f"{file}: prepared with held_out_fraction {manifest['held_out_fraction']}; this run"
         f" asks for {held_out_fraction} (data.eval_fraction): prepare again or set it")
+  if verify == "full":
+    _verify_sha256(root, _split_entries(manifest, split))
+  store = _open_split(root, manifest, split, check=verify != "none")
+  if not store.num_docs:
+    raise PreparedCorpusError(f"prepared corpus {root}: its {split!r} split holds no document")
+  return store, manifest
+
+
+def _split_entries(manifest: dict, split: str) -> list[dict]:
+  """Every file entry of `split` (shard files, the chunk table, their CRC sidecars)."""
+  entries = [f for s in manifest["splits"][split] for f in s["files"].values()]
+  entries.append(manifest["chunks"][split])
+  return entries + [e["crc32"] for e in entries]
+
+
+def _verify_sha256(root, entries: list[dict]) -> None:
+  for e in entries:
+    check_file(root / e["name"], e, root)
+  with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(entries))) as pool:
+    for e, digest in zip(entries, pool.map(lambda e: _sha256(root / e["name"]), entries)):
+      if digest != e["sha256"]:
+        raise PreparedCorpusError(f"prepared corpus {root}: file {e['name']} fails its SHA-256"
+                                  " check (damaged); prepare the corpus again")
+
+
+def _open_split(root, manifest: dict, split: str, *, check: bool,
+                with_chunks: bool = True) -> TokenStore:
+  """A TokenStore over the files of `split`; checks that each is there at its size."""
+  block = manifest["crc_block_bytes"] if check else None
+
+  def opened(entry: dict) -> ShardFile:
+    check_file(root / entry["name"], entry, root)
+    check_file(root / entry["crc32"]["name"], entry["crc32"], root)
+    return ShardFile(root / entry["name"], entry, root, crc_block_bytes=block)
+
   shards = manifest["splits"][split]
-  entries = [(root / f["name"], f) for s in shards for f in s["files"].values()]
-  opened = {}
-  for p, f in entries:
-    opened[f["name"]] = _open_npy(p, f)
-  if verify:
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(entries) or 1)) as pool:
-      for (p, f), digest in zip(entries, pool.map(lambda e: _sha256(e[0]), entries)):
-        if digest != f["sha256"]:
-          raise PreparedCorpusError(f"prepared corpus {root}: shard file {f['name']} fails"
-                                    " its SHA-256 check (damaged); prepare it again")
-  parts = {what: [opened[s["files"][what]["name"]] for s in shards] for what in FILES}
+  parts = {what: [opened(s["files"][what]) for s in shards] for what in FILES}
   tokens_n = [s["tokens"] for s in shards]
   sents_n = [s["sentences"] for s in shards]
   docs_n = [s["documents"] for s in shards]
   token_base = np.concatenate([[0], np.cumsum(tokens_n)]).astype(np.int64)
   sent_base = np.concatenate([[0], np.cumsum(sents_n)]).astype(np.int64)
-  store = TokenStore(
+  chunk_table = None
+  chunks = manifest.get("chunks", {})
+  if with_chunks and chunks.get("stream_chunk_docs") == STREAM_CHUNK_DOCS:
+    table = opened(chunks[split])
+    chunk_table = table[np.arange(len(table))]
+  return TokenStore(
       ShardedArray(parts["tokens"], tokens_n, [0] * len(shards), np.int32),
       ShardedArray(parts["sentences"], sents_n, token_base[:-1], np.int64,
                    tail=int(token_base[-1])),
       ShardedArray(parts["documents"], docs_n, sent_base[:-1], np.int64,
                    tail=int(sent_base[-1])),
-      ShardedArray(parts["sources"], docs_n, [0] * len(shards), np.int64))
-  if not store.num_docs:
-    raise PreparedCorpusError(f"prepared corpus {root}: its {split!r} split holds no document")
-  return store, manifest
+      ShardedArray(parts["sources"], docs_n, [0] * len(shards), np.int64),
+      doc_token_table=ShardedArray(parts["doc_tokens"], docs_n, token_base[:-1], np.int64,
+                                   tail=int(token_base[-1])),
+      chunk_token_table=chunk_table)
 
 
 def is_prepared_spec(spec: str) -> bool:

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec
 
 from t5x_like import parallel
 from t5x_like.data.pipeline import OBJECTIVES
+from t5x_like.data.prepared import VERIFY_MODES
 from t5x_like.errors import UserError
 from t5x_like.experiment import phase_configs
 from t5x_like.models import build_model
@@ -181,6 +182,7 @@ def _check_data(config, model_cfg: ModelConfig) -> None:
     raise ConfigError(f"data.eval_fraction={d.eval_fraction}: must be in (0, 1) when"
                       " data.eval_source is empty")
   _positive("data.num_workers", d.num_workers, allow_zero=True)
+  _choice("data.verify_checksums", d.get("verify_checksums", "blocks"), VERIFY_MODES)
   known = spec.options()
   option_sets = [("data.options", dict(d.options))] + [
       (f"train.phases[{i}].options", dict(dict(p).get("options", {})))
