@@ -8,6 +8,7 @@ import pytest
 
 from t5x_like.data.iid_denoising import IidDenoising
 from t5x_like.data.pipeline import OBJECTIVES, make_objective
+import t5x_like.data.store as store_module
 from t5x_like.data.store import TokenStore
 from t5x_like.data.vocab import default_vocab
 from t5x_like.train.config_check import ConfigError, validate
@@ -23,10 +24,26 @@ def _store(num_docs=40, seed=0):
        for _ in range(num_docs)])
 
 
+STREAM_KEY = 0x57E4  # spawn key of the streams' order generators (data/streams.py's spec)
+
+
+def stream_order(store, seed, epoch):
+  """Store documents in the epoch's two-level order: chunks of K documents (K =
+  store.STREAM_CHUNK_DOCS) in generator (seed, epoch)'s order, the documents of chunk c
+  in generator (seed, epoch, c)'s order."""
+  def rng(*key):
+    return np.random.default_rng(np.random.SeedSequence([seed, epoch],
+                                                        spawn_key=(STREAM_KEY, *key)))
+  k = store_module.STREAM_CHUNK_DOCS
+  order = []
+  for c in rng().permutation(-(-store.num_docs // k)):
+    order += (c * k + rng(int(c)).permutation(min(k, store.num_docs - c * k))).tolist()
+  return order
+
+
 def _stream(store, seed, epoch):
-  """Documents permuted by default_rng([seed, epoch]) and concatenated (no separator)."""
-  order = np.random.default_rng([seed, epoch]).permutation(store.num_docs)
-  return np.concatenate([store.doc_tokens(d) for d in order])
+  """Documents in the epoch's order (stream_order), concatenated (no separator)."""
+  return np.concatenate([store.doc_tokens(d) for d in stream_order(store, seed, epoch)])
 
 
 def test_targets_are_the_text_and_inputs_corrupt_about_15_percent():

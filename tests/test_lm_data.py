@@ -5,6 +5,7 @@ import pytest
 
 from t5x_like.data.lm import CausalLM, PrefixLM
 from t5x_like.data.objective import example_rng
+import t5x_like.data.store as store_module
 from t5x_like.data.store import TokenStore
 
 EOS = 99
@@ -17,11 +18,27 @@ def random_store(num_docs=30, seed=0):
        for _ in range(num_docs)])
 
 
+STREAM_KEY = 0x57E4  # spawn key of the streams' order generators (data/streams.py's spec)
+
+
+def stream_order(store, seed, epoch):
+  """Store documents in the epoch's two-level order: chunks of K documents (K =
+  store.STREAM_CHUNK_DOCS) in generator (seed, epoch)'s order, the documents of chunk c
+  in generator (seed, epoch, c)'s order."""
+  def rng(*key):
+    return np.random.default_rng(np.random.SeedSequence([seed, epoch],
+                                                        spawn_key=(STREAM_KEY, *key)))
+  k = store_module.STREAM_CHUNK_DOCS
+  order = []
+  for c in rng().permutation(-(-store.num_docs // k)):
+    order += (c * k + rng(int(c)).permutation(min(k, store.num_docs - c * k))).tolist()
+  return order
+
+
 def stream_and_doc_starts(store, seed, epoch):
-  """The brief's stream: documents permuted by default_rng([seed, epoch]), each + EOS."""
-  order = np.random.default_rng([seed, epoch]).permutation(store.num_docs)
+  """The brief's stream: documents in the epoch's order (stream_order), each + EOS."""
   tokens, starts = [], []
-  for d in order:
+  for d in stream_order(store, seed, epoch):
     doc = list(store.doc_tokens(d)) + [EOS]
     starts += [True] + [False] * (len(doc) - 1)
     tokens += doc
@@ -49,7 +66,7 @@ def test_hand_made_store_packs_as_specified():
   objective = CausalLM(store, seed=3, length=4, eos_id=EOS)
   stream, _ = stream_and_doc_starts(store, 3, 0)
   assert len(stream) == 11 and objective.num_examples(0) == 2
-  order = np.random.default_rng([3, 0]).permutation(3).tolist()
+  order = stream_order(store, 3, 0)
   docs = {0: [10, 11, 12, EOS], 1: [20, EOS], 2: [30, 31, 32, 33, EOS]}
   assert stream.tolist() == sum((docs[d] for d in order), [])
   batch = objective.examples(np.arange(2), 0)
@@ -64,7 +81,9 @@ def test_hand_made_store_packs_as_specified():
   np.testing.assert_array_equal(batch["decoder_loss_weights"], np.ones((2, 4)))
 
 
-def test_rows_concatenate_to_the_stream_with_segments_and_shifts():
+@pytest.mark.parametrize("chunk_docs", [1024, 4])
+def test_rows_concatenate_to_the_stream_with_segments_and_shifts(monkeypatch, chunk_docs):
+  monkeypatch.setattr(store_module, "STREAM_CHUNK_DOCS", chunk_docs)  # 1 chunk, 8 chunks
   store = random_store()
   for length in (7, 32):
     objective = CausalLM(store, seed=5, length=length, eos_id=EOS)

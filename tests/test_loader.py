@@ -87,3 +87,24 @@ def test_bad_arguments_are_named():
     BatchPlan(CountingObjective(0), 6, seed=0, process_index=2, process_count=2)
   with pytest.raises(ValueError, match="no examples in epoch 0"):
     BatchPlan(CountingObjective(0, sizes=(0,)), 2, seed=0).host_batch(0)
+
+
+def test_a_batch_costs_its_rows_not_the_epoch():
+  # 10^12 examples per epoch: a table of the epoch's order would not fit in memory.
+  huge = CountingObjective(0, sizes=(10 ** 12,))
+  plan = BatchPlan(huge, 64, seed=1, process_index=1, process_count=2)
+  rows = plan.host_examples(10 ** 9)
+  indices = [i for _, i in rows]
+  assert len(set(indices)) == 32 and all(0 <= i < 10 ** 12 for i in indices)
+  assert {e for e, _ in rows} == {0}
+  assert sorted(indices) != indices  # shuffled
+
+
+def test_rows_depend_on_the_step_only_and_unshuffled_is_in_order():
+  walked = BatchPlan(CountingObjective(0), 4, seed=2)
+  for step in range(9):
+    walked.host_examples(step)
+  assert walked.host_examples(9) == BatchPlan(CountingObjective(0), 4, seed=2).host_examples(9)
+  plain = BatchPlan(CountingObjective(0), 4, seed=2, shuffle=False)
+  rows = [r for step in range(4) for r in plain.host_examples(step)]
+  assert rows == [(0, i) for i in range(10)] + [(1, i) for i in range(6)]

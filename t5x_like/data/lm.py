@@ -1,7 +1,8 @@
 """Causal LM and prefix LM examples from the per-epoch document stream.
 
-The stream: the documents of an epoch in the order permuted by
-default_rng([seed, epoch]), each followed by `eos_id`, back to back (streams.py).
+The stream: the documents of an epoch in its seeded two-level order (chunks of
+documents, then the documents within each chunk; streams.py), each followed by `eos_id`,
+back to back.
 
 CausalLM (GPT-2 style packing): row i = stream[i*L : (i+1)*L], the partial tail
 dropped. Every token is a target; a new segment starts at each document start in the

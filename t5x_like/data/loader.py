@@ -3,9 +3,11 @@
 Global batch `step` is a pure function of (objective, seed, step): positions
 [step * G, (step + 1) * G) of the endless sequence of epochs, each epoch a seeded
 permutation of the objective's examples. Host h of P reads rows
-[h * G/P, (h + 1) * G/P) of it and generates only those examples. The grain
-iterator's state is just the next step, so a restored iterator yields exactly
-the batches an uninterrupted one would have.
+[h * G/P, (h + 1) * G/P) of it and generates only those examples; the permutation is
+evaluated at those positions only (data/index_shuffle.py: O(G/P) work and memory per
+step, never a table of the epoch's examples). The grain iterator's state is just the
+next step, so a restored iterator yields exactly the batches an uninterrupted one would
+have.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from absl import flags
 import jax
 import numpy as np
 
+from t5x_like.data.index_shuffle import shuffled
 from t5x_like.data.objective import Example, Objective
 
-_SHUFFLE_STREAM = 0x5EED  # keeps the shuffle rng apart from the examples' rngs
+_SHUFFLE_STREAM = 0x5EED  # the epoch permutation's key: (seed, epoch, _SHUFFLE_STREAM)
 
 
 class BatchPlan:
@@ -44,7 +47,6 @@ class BatchPlan:
     self.process_index = process_index
     self.process_count = process_count
     self._epoch_ends = [0]  # cumulative example counts, grown on demand
-    self._orders: dict[int, np.ndarray] = {}  # the latest epochs' permutations
 
   @property
   def host_batch_size(self) -> int:
@@ -71,32 +73,35 @@ class BatchPlan:
     total = sum(self._epoch_size(e) for e in range(self.num_epochs))
     return total // self.global_batch_size
 
-  def _order(self, epoch: int) -> np.ndarray:
-    """Example indices of `epoch` in reading order (a seeded permutation)."""
-    if epoch not in self._orders:
-      n = self._epoch_size(epoch)
-      order = (np.random.default_rng([self.seed, epoch, _SHUFFLE_STREAM]).permutation(n)
-               if self.shuffle else np.arange(n))
-      self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
-      self._orders[epoch] = order
-    return self._orders[epoch]
+  def _epoch_examples(self, epoch: int, offsets: np.ndarray) -> np.ndarray:
+    """Example indices [M] at reading positions `offsets` [M] of `epoch` (a seeded
+    permutation of its examples, evaluated at those positions only)."""
+    if not self.shuffle:
+      return offsets
+    size = self._epoch_ends[epoch + 1] - self._epoch_ends[epoch]
+    return shuffled(offsets, size, (self.seed, epoch, _SHUFFLE_STREAM))
+
+  def host_runs(self, step: int) -> list[tuple[int, np.ndarray]]:
+    """This host's rows of global batch `step` as (epoch, example indices [M]) runs, in
+    row order (one run per epoch the rows reach)."""
+    position = step * self.global_batch_size + self.process_index * self.host_batch_size
+    end = position + self.host_batch_size
+    runs = []
+    while position < end:
+      epoch = self._epoch_of(position)
+      run_end = min(end, self._epoch_ends[epoch + 1])
+      offsets = np.arange(position, run_end, dtype=np.int64) - self._epoch_ends[epoch]
+      runs.append((epoch, self._epoch_examples(epoch, offsets)))
+      position = run_end
+    return runs
 
   def host_examples(self, step: int) -> list[tuple[int, int]]:
     """(epoch, example index) of each row this host reads in global batch `step`."""
-    first = step * self.global_batch_size + self.process_index * self.host_batch_size
-    rows = []
-    for position in range(first, first + self.host_batch_size):
-      epoch = self._epoch_of(position)
-      rows.append((epoch, int(self._order(epoch)[position - self._epoch_ends[epoch]])))
-    return rows
+    return [(epoch, int(i)) for epoch, indices in self.host_runs(step) for i in indices]
 
   def host_batch(self, step: int) -> Example:
     """This host's rows of global batch `step`: {feature: [G / P, ...] array}."""
-    rows = self.host_examples(step)
-    parts = []
-    for epoch in sorted({e for e, _ in rows}):
-      indices = np.array([i for e, i in rows if e == epoch])
-      parts.append(self.objective.examples(indices, epoch))
+    parts = [self.objective.examples(indices, epoch) for epoch, indices in self.host_runs(step)]
     if len(parts) == 1:
       return parts[0]
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
