@@ -9,9 +9,9 @@ text with the books' vocabulary and line lengths), cut into documents of 40 line
 copy. Then:
 - prepare: `t5x-like data prepare`'s pipeline (DirectRunner) with 1 and with 2 worker
   processes: seconds and characters/s per worker;
-- start-up: a fresh process opens the prepared corpus (verify "blocks", the default:
-  each block read is CRC-checked; and "full": every file hashed first),
-  builds the objective and makes the first host batch: seconds, and how far its peak
+- start-up, the median of 5 fresh processes: each opens the prepared corpus (verify
+  "blocks", the default: each block read is CRC-checked; and "full": every file hashed
+  first), builds the objective and makes the first host batch: seconds, and how far its peak
   RSS (VmHWM, reset after the imports) grows over the RSS after the imports while it
   also makes 30 more batches (the data side's memory; Linux /proc), split at the end
   into anonymous memory (what the process allocated) and mapped file pages (the
@@ -62,8 +62,8 @@ for step in range(1, steps + 1):
   plan.host_batch(step)
 done = time.perf_counter()
 print(json.dumps({
-    "open_seconds": round(opened - imported, 3),
-    "to_first_batch_seconds": round(first - imported, 3),
+    "open_seconds": round(opened - imported, 4),
+    "to_first_batch_seconds": round(first - imported, 4),
     "rss_after_imports_mb": round(rss_imports / 1024, 1),
     "peak_rss_growth_mb": round((status_kb("VmHWM") - rss_imports) / 1024, 1),
     "anon_rss_growth_mb": round((status_kb("RssAnon") - anon_imports) / 1024, 1),
@@ -104,11 +104,16 @@ def write_synthetic_corpus(folder: str, size_mb: float, seed: int = 0) -> dict:
   return {"files": files, "documents": documents, "bytes": written}
 
 
-def _startup(path: str, objective: str, verify: str) -> dict:
-  out = subprocess.run([sys.executable, "-c", _STARTUP, path, objective, verify],
-                       capture_output=True, text=True, check=True,
-                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
-  return json.loads(out.stdout.strip().splitlines()[-1])
+def _startup(path: str, objective: str, verify: str, runs: int = 5) -> dict:
+  """The start-up figures of `runs` fresh processes: the median of each."""
+  rows = []
+  for _ in range(runs):
+    out = subprocess.run([sys.executable, "-c", _STARTUP, path, objective, verify],
+                         capture_output=True, text=True, check=True,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+  return {k: (rows[0][k] if k in ("documents", "tokens") else
+              float(np.median([r[k] for r in rows]))) for k in rows[0]}
 
 
 def bench_prepared(*, sizes_mb=(50, 2000), objective: str = "span_corruption",

@@ -68,7 +68,10 @@ class TokenStore:
 
   def doc_token_offsets(self, lo: int, hi: int) -> np.ndarray:
     """[hi - lo + 1] token offsets of documents lo .. hi (hi = D: the end)."""
-    return self._doc_token_gather(np.arange(lo, hi + 1))
+    if self.doc_token_table is not None:
+      return np.asarray(self.doc_token_table[lo:hi + 1], np.int64)
+    return np.asarray(self.sentence_offsets[np.asarray(self.doc_sentences[lo:hi + 1])],
+                      np.int64)
 
   def chunk_token_offsets(self) -> np.ndarray:
     """[C + 1] token offsets of documents 0, K, 2K, ... and of the end, K =
