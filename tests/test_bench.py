@@ -191,3 +191,23 @@ def test_console_command_runs_with_huge_pages():
   name, version = os.confstr("CS_GNU_LIBC_VERSION").split()
   supported = name == "glibc" and tuple(map(int, version.split(".")[:2])) >= (2, 35)
   assert ("glibc.malloc.hugetlb=1" in json.loads(out.stdout)["glibc_tunables"]) == supported
+
+
+def test_bench_data_prepared_reports_each_size(capsys):
+  """`bench data --prepared` on two tiny synthetic corpora: the same tokens whatever the
+  worker count, start-up figures for both verification modes, a working objective."""
+  code, out, err = _run(capsys, ["bench", "data", "--objective", "span_corruption",
+                                 "--prepared", "--sizes", "0.3,0.6"])
+  assert code == 0, err
+  sizes = out["sizes"]
+  assert list(sizes) == ["0.3MB", "0.6MB"]
+  for row in sizes.values():
+    assert row["text_documents"] > 20
+    prepare = row["prepare"]
+    assert prepare["workers_1"]["tokens"] == prepare["workers_2"]["tokens"] > 0
+    for mode in ("startup_blocks", "startup_full"):
+      figures = row[mode]
+      assert 0 < figures["open_seconds"] <= figures["to_first_batch_seconds"]
+      assert figures["tokens"] == prepare["workers_1"]["tokens"]
+      assert figures["tokens_per_second_per_core"] > 0
+  assert sizes["0.6MB"]["text_bytes"] > 1.5 * sizes["0.3MB"]["text_bytes"]
