@@ -10,6 +10,7 @@ import pytest
 
 from t5x_like.data.bert_pretraining import BertPretraining, build_plan, truncation_drops
 from t5x_like.data.store import TokenStore
+from references import spec_truncate
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3
 OFFSET = 10
@@ -272,17 +273,6 @@ def test_vectorised_whole_word_choice_is_the_sequential_greedy():
     words = [list(np.flatnonzero(word_ids == w)) for w in range(word_ids.max() + 1)]
     expected = greedy_whole_words(words, keys[b], int(budget[b]))
     assert got[b][got[b] < L].tolist() == expected
-
-
-def spec_truncate(la, lb, max_tokens):
-  """truncate_seq_pair: while too long drop one token from the longer side (B on ties)."""
-  da = db = 0
-  while la + lb > max_tokens:
-    if la > lb:
-      la, da = la - 1, da + 1
-    else:
-      lb, db = lb - 1, db + 1
-  return da, db
 
 
 def test_truncation_counts_match_the_token_by_token_loop():

@@ -13,6 +13,7 @@ from t5x_like.data.bert_plan import (COIN, CUT, OTHER, SHORT, SHORT_LEN, START,
                                      instance_spans, targets, uniforms)
 from t5x_like.data.bert_pretraining import build_plan
 from t5x_like.data.store import TokenStore
+from references import spec_truncate
 
 MASK64 = (1 << 64) - 1
 
@@ -28,17 +29,6 @@ def splitmix_uniform(key, doc, t, slot):
 
 def spec_randint(u, lo, hi):
   return lo + min(int(u * (hi - lo + 1)), hi - lo)
-
-
-def spec_truncate(la, lb, max_tokens):
-  """truncate_seq_pair: while too long drop one token from the longer side (B on ties)."""
-  da = db = 0
-  while la + lb > max_tokens:
-    if la > lb:
-      la, da = la - 1, da + 1
-    else:
-      lb, db = lb - 1, db + 1
-  return da, db
 
 
 def reference_spans(offsets, doc_sentences, order, key, max_tokens, short_seq_prob, nsp):

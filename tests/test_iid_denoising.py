@@ -8,8 +8,8 @@ import pytest
 
 from t5x_like.data.iid_denoising import IidDenoising
 from t5x_like.data.pipeline import OBJECTIVES, make_objective
-import t5x_like.data.store as store_module
 from t5x_like.data.store import TokenStore
+from references import stream_order
 from t5x_like.data.vocab import default_vocab
 from t5x_like.train.config_check import ConfigError, validate
 from t5x_like.train.defaults import load_config_file
@@ -22,23 +22,6 @@ def _store(num_docs=40, seed=0):
   return TokenStore.from_documents(
       [[rng.integers(2, 900, rng.integers(5, 30)) for _ in range(rng.integers(2, 8))]
        for _ in range(num_docs)])
-
-
-STREAM_KEY = 0x57E4  # spawn key of the streams' order generators (data/streams.py's spec)
-
-
-def stream_order(store, seed, epoch):
-  """Store documents in the epoch's two-level order: chunks of K documents (K =
-  store.STREAM_CHUNK_DOCS) in generator (seed, epoch)'s order, the documents of chunk c
-  in generator (seed, epoch, c)'s order."""
-  def rng(*key):
-    return np.random.default_rng(np.random.SeedSequence([seed, epoch],
-                                                        spawn_key=(STREAM_KEY, *key)))
-  k = store_module.STREAM_CHUNK_DOCS
-  order = []
-  for c in rng().permutation(-(-store.num_docs // k)):
-    order += (c * k + rng(int(c)).permutation(min(k, store.num_docs - c * k))).tolist()
-  return order
 
 
 def _stream(store, seed, epoch):

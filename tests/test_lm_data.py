@@ -7,6 +7,7 @@ from t5x_like.data.lm import CausalLM, PrefixLM
 from t5x_like.data.objective import example_rng
 import t5x_like.data.store as store_module
 from t5x_like.data.store import TokenStore
+from references import stream_order
 
 EOS = 99
 
@@ -16,23 +17,6 @@ def random_store(num_docs=30, seed=0):
   return TokenStore.from_documents(
       [[rng.integers(2, 90, rng.integers(1, 15)) for _ in range(rng.integers(1, 6))]
        for _ in range(num_docs)])
-
-
-STREAM_KEY = 0x57E4  # spawn key of the streams' order generators (data/streams.py's spec)
-
-
-def stream_order(store, seed, epoch):
-  """Store documents in the epoch's two-level order: chunks of K documents (K =
-  store.STREAM_CHUNK_DOCS) in generator (seed, epoch)'s order, the documents of chunk c
-  in generator (seed, epoch, c)'s order."""
-  def rng(*key):
-    return np.random.default_rng(np.random.SeedSequence([seed, epoch],
-                                                        spawn_key=(STREAM_KEY, *key)))
-  k = store_module.STREAM_CHUNK_DOCS
-  order = []
-  for c in rng().permutation(-(-store.num_docs // k)):
-    order += (c * k + rng(int(c)).permutation(min(k, store.num_docs - c * k))).tolist()
-  return order
 
 
 def stream_and_doc_starts(store, seed, epoch):

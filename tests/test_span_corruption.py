@@ -9,8 +9,8 @@ import pytest
 from t5x_like.data.objective import example_rng
 from t5x_like.data.span_corruption import (SpanCorruption, _corrupt_batch, span_corruption,
                                            span_corruption_lengths)
-import t5x_like.data.store as store_module
 from t5x_like.data.store import TokenStore
+from references import stream_order
 
 V = 32100
 EOS = 1
@@ -138,23 +138,6 @@ def make_store(num_docs=40, seed=0):
   docs = [[rng.integers(2, 30000, rng.integers(1, 40)) for _ in range(rng.integers(1, 20))]
           for _ in range(num_docs)]
   return TokenStore.from_documents(docs)
-
-
-STREAM_KEY = 0x57E4  # spawn key of the streams' order generators (data/streams.py's spec)
-
-
-def stream_order(store, seed, epoch):
-  """Store documents in the epoch's two-level order: chunks of K documents (K =
-  store.STREAM_CHUNK_DOCS) in generator (seed, epoch)'s order, the documents of chunk c
-  in generator (seed, epoch, c)'s order."""
-  def rng(*key):
-    return np.random.default_rng(np.random.SeedSequence([seed, epoch],
-                                                        spawn_key=(STREAM_KEY, *key)))
-  k = store_module.STREAM_CHUNK_DOCS
-  order = []
-  for c in rng().permutation(-(-store.num_docs // k)):
-    order += (c * k + rng(int(c)).permutation(min(k, store.num_docs - c * k))).tolist()
-  return order
 
 
 def epoch_stream(store, seed, epoch):
