@@ -116,7 +116,8 @@ def manifest_dict(*, source_spec: str, vocab, max_sentence_chars: int, held_out_
                     "fingerprint": vocab.fingerprint, "path": vocab.path},
           "splitter": {"max_sentence_chars": max_sentence_chars,
                        "store_format_version": STORE_FORMAT_VERSION},
-          "crc_block_bytes": CRC_BLOCK_BYTES, "held_out_fraction": held_out_fraction, "source_documents": num_source_docs,
+          "crc_block_bytes": CRC_BLOCK_BYTES, "held_out_fraction": held_out_fraction,
+          "source_documents": num_source_docs,
           "shard_ranges": [list(r) for r in shard_ranges], "totals": totals,
           "bad_input": bad_input,
           "splits": {split: sorted(shards[split], key=lambda s: s["index"])
