@@ -9,7 +9,12 @@
                                                          # the same, random initialisation
 Variants: bert (configs/bert_cpu.py, [CLS] classifier), t5 (configs/t5_cpu.py, the
 author's name as text to text, evaluated by generating it); `,smoke` for tests (the
-:smoke pretraining configs, 10 steps); `dir=PATH`: where `t5x-like task books` wrote.
+:smoke pretraining configs, 10 steps); `task=books` (the default, in-domain),
+`task=unseen` (`t5x-like task books-unseen`: 3 books not pretrained on) or
+`task=within` (`t5x-like task books-within`: Frankenstein's narrators), pretraining on
+the task's own pretrain/ (t5x_like/finetune/books_ood.py); `dir=PATH`: where the
+`t5x-like task` command wrote (default workdir/books, workdir/books_unseen,
+workdir/books_within).
 Measured (README): 6,000 pretraining steps, then 0.688 dev accuracy against 0.511 from
 random initialisation.
 """
@@ -20,10 +25,19 @@ from t5x_like.finetune.defaults import default_finetune_config
 from t5x_like.train.defaults import parse_arg
 
 
+# task= -> where `t5x-like task ...` writes it by default (dir= overrides).
+TASK_DIRS = {"books": "workdir/books", "unseen": "workdir/books_unseen",
+             "within": "workdir/books_within"}
+
+
 def get_config(arg: str = "bert"):
-  args = parse_arg(arg, family="bert", smoke=False, dir="workdir/books")
+  args = parse_arg(arg, family="bert", smoke=False, task="books", dir="")
   if args.family not in ("bert", "t5"):
     raise ValueError(f"configs/finetune_books.py: family={args.family!r}: expected bert or t5")
+  if args.task not in TASK_DIRS:
+    raise ValueError(f"configs/finetune_books.py: task={args.task!r}: expected one of"
+                     f" {sorted(TASK_DIRS)}")
+  args.dir = args.dir or TASK_DIRS[args.task]
   c = default_finetune_config()
   # The pretraining config beside this file, wherever the command runs from.
   pretrain = os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -33,7 +47,7 @@ def get_config(arg: str = "bert"):
   c.task.train_file = f"{args.dir}/train.csv"
   c.task.dev_file = f"{args.dir}/dev.csv"
   c.task.max_length = 64  # 32-word passages; bert_cpu has 64 positions
-  c.task.target_length = 8  # an author's surname + eos (up to 5 pieces in the t5 vocab)
+  c.task.target_length = 8  # a label (surname, narrator) + eos (up to 5 pieces in the t5 vocab)
   c.task.task_prefix = "book"
   c.train.batch_size = 32
   c.train.num_steps = 300  # ~13 epochs of the 720 training passages

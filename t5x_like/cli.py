@@ -78,6 +78,20 @@ def _cmd_task_books(args) -> int:
   return 0
 
 
+def _cmd_task_books_ood(args) -> int:
+  """Writes an out-of-domain book task (t5x_like/finetune/books_ood.py): pretrain/ holds
+  the books not in the task; prints the counts as JSON."""
+  from t5x_like.finetune import books_ood
+  make = {"books-unseen": books_ood.make_unseen_task,
+          "books-within": books_ood.make_within_task}[args.which]
+  try:
+    summary = make(args.out, num_regions=args.num_regions, passage_words=args.passage_words)
+  except ValueError as e:
+    raise UserError(str(e)) from None
+  print(json.dumps(summary, indent=1))
+  return 0
+
+
 # The absl / ml-collections commands (any config key overridable on the command line):
 # name -> (module with main(argv), one-line summary). Their --help lists their flags.
 FLAG_COMMANDS = {
@@ -129,6 +143,16 @@ def build_parser() -> argparse.ArgumentParser:
   books.add_argument("--block_words", type=int, default=500)
   books.add_argument("--passage_words", type=int, default=32)
   books.set_defaults(fn=_cmd_task_books)
+  for name, what in (("books-unseen", "3-way attribution among Carroll, Shelley and Wells"),
+                     ("books-within", "who narrates a Frankenstein passage, Victor or the"
+                      " creature")):
+    ood = task.add_parser(name, help=f"{what}; pretrain/ holds the other five books,"
+                          " none of the task's (t5x_like/finetune/books_ood.py)")
+    ood.add_argument("--out", required=True, help="directory to write")
+    ood.add_argument("--num_regions", type=int, default=12,
+                     help="regions per class (even: train, odd: dev)")
+    ood.add_argument("--passage_words", type=int, default=32)
+    ood.set_defaults(fn=_cmd_task_books_ood)
   data_cmd = sub.add_parser("data", help="prepare corpora").add_subparsers(
       dest="which", required=True, metavar="STEP")
   data_cmd.add_parser("prepare", add_help=False,

@@ -74,11 +74,23 @@ def passages(words: Sequence[str], passage_words: int) -> list[str]:
           for i in range(0, len(words) - passage_words + 1, passage_words)]
 
 
-def _write_csv(path: str, rows: list[tuple[str, str]]) -> None:
-  with open(path, "w", encoding="utf-8", newline="") as f:
-    writer = csv.writer(f)
-    writer.writerow(["text", "label"])
-    writer.writerows(rows)
+def region_rows(label: str, region_passages: Sequence[Sequence[str]],
+                per_region: int) -> dict[str, list[tuple[str, str]]]:
+  """{'train': [(passage, label)...], 'dev': [...]}: the first `per_region` passages of
+  each region; even regions train, odd regions dev, so no region gives passages to both."""
+  rows: dict[str, list] = {"train": [], "dev": []}
+  for r, region in enumerate(region_passages):
+    rows["train" if r % 2 == 0 else "dev"] += [(p, label) for p in region[:per_region]]
+  return rows
+
+
+def write_splits(out_dir: str, rows: dict[str, list[tuple[str, str]]]) -> None:
+  """out_dir/train.csv and out_dir/dev.csv (columns text,label) from region_rows' form."""
+  for split, split_rows in rows.items():
+    with open(os.path.join(out_dir, f"{split}.csv"), "w", encoding="utf-8", newline="") as f:
+      writer = csv.writer(f)
+      writer.writerow(["text", "label"])
+      writer.writerows(split_rows)
 
 
 def make_book_task(out_dir: str, *, num_blocks: int = 12, block_words: int = 500,
@@ -99,17 +111,15 @@ def make_book_task(out_dir: str, *, num_blocks: int = 12, block_words: int = 500
     pretrain, blocks = split_book(corpus.read_book(book), num_blocks, block_words)
     with open(os.path.join(out_dir, "pretrain", f"{book}.txt"), "w", encoding="utf-8") as f:
       f.write(unwrap(pretrain))
-    label, counts = author(book), {"train": 0, "dev": 0}
+    label = author(book)
     # The same number of passages from every block keeps the classes balanced.
     per_block = min(len(block) for block in blocks) // passage_words
-    for b, block in enumerate(blocks):
-      split = "train" if b % 2 == 0 else "dev"
-      chunks = passages(block, passage_words)[:per_block]
-      rows[split] += [(p, label) for p in chunks]
-      counts[split] += len(chunks)
-    per_book[book] = dict(label=label, pretrain_words=len(pretrain.split()), **counts)
-  for split, split_rows in rows.items():
-    _write_csv(os.path.join(out_dir, f"{split}.csv"), split_rows)
+    book_rows = region_rows(label, [passages(b, passage_words) for b in blocks], per_block)
+    for split in rows:
+      rows[split] += book_rows[split]
+    per_book[book] = dict(label=label, pretrain_words=len(pretrain.split()),
+                          **{split: len(r) for split, r in book_rows.items()})
+  write_splits(out_dir, rows)
   summary = dict(train=len(rows["train"]), dev=len(rows["dev"]), labels=len(books),
                  num_blocks=num_blocks, block_words=block_words, passage_words=passage_words,
                  books=per_book)
