@@ -157,7 +157,7 @@ INVALID = [
     ("mesh not filling devices", _set("mesh.data", 12), "mesh.data"),
     ("slices not dividing devices", _set("mesh.dcn_data", 3), "mesh.dcn_*"),
     ("vocab over tensor", lambda c: (_set("mesh.tensor", 4)(c),
-                                     _set("model.overrides", dict(vocab_size=30521))(c)),
+                                     _set("model.overrides", dict(vocab_size=30523))(c)),
      "mesh.tensor=4"),
 ]
 

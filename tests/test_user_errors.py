@@ -38,6 +38,20 @@ def _files(tmp):
   open("prompts.jsonl", "w").write('{"text": "hello"}\n')
   os.makedirs("ckpt_junk/checkpoints")
   open(os.path.join("ckpt_junk", "checkpoints", "35"), "w").write("junk")
+  open("settings.json", "w").write('{"train": {"num_steps": 10}}\n')
+  with open("variants.py", "w") as f:  # configs a user edits into a wrong value
+    f.write(f"import sys\nsys.path.insert(0, {os.path.join(ROOT, 'configs')!r})\n"
+            "import bert_cpu\n\n\ndef get_config(arg):\n"
+            "  c = bert_cpu.get_config('smoke')\n"
+            "  if arg == 'vocab':\n"
+            "    c.model.overrides = dict(c.model.overrides, vocab_size=1000)\n"
+            "  if arg == 'rule':\n"
+            "    c.mesh.rules = (('batch', 'nosuchaxis'),)\n"
+            "  if arg == 'phase':\n"
+            "    c.train.phases = [dict(steps=5, length='long')]\n"
+            "  if arg == 'option':\n"
+            "    c.data.options = dict(max_predictions_per_seq='ten')\n"
+            "  return c\n")
   os.makedirs("task")
   for split in ("train", "dev"):
     with open(os.path.join("task", f"{split}.csv"), "w") as f:
@@ -83,6 +97,16 @@ CASES = [
     ("config argument refused", ["train", f"--config={BERT}:bogus", "--workdir=wd"],
      ["bogus"]),
     ("value of the wrong type", train("--config.train.num_steps=abc"), ["train.num_steps"]),
+    ("a JSON file as the config", ["train", "--config=settings.json", "--workdir=wd"],
+     ["settings.json", ".py"]),
+    ("vocab_size under the vocabulary's", train(config="variants.py:vocab"),
+     ["model.overrides.vocab_size=1000", "8192"]),
+    ("mesh rule naming no mesh axis", train(config="variants.py:rule"),
+     ["mesh.rules[0]", "nosuchaxis"]),
+    ("phase length not a number", train(config="variants.py:phase"),
+     ["train.phases[0].length", "long"]),
+    ("objective option of the wrong type", train(config="variants.py:option"),
+     ["data.options.max_predictions_per_seq", "ten", "int"]),
     ("missing --workdir", ["train", f"--config={BERT}"], ["--workdir"]),
     ("missing --config", ["train", "--workdir=wd"], ["--config"]),
     ("unknown flag", train("--bogus=1"), ["bogus"]),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import inspect
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -92,8 +92,13 @@ class ObjectiveSpec:
 
   def options(self) -> set[str]:
     """Constructor options a config may set in data.options."""
+    return set(self.option_defaults())
+
+  def option_defaults(self) -> dict[str, Any]:
+    """{option: its default (None when it has none)} of data.options."""
     params = inspect.signature(self.cls.__init__).parameters
-    return {name for name in params if name not in self.filled | {"self", "store", "seed"}}
+    return {name: (None if p.default is inspect.Parameter.empty else p.default)
+            for name, p in params.items() if name not in self.filled | {"self", "store", "seed"}}
 
 
 def require_special_ids(vocab, spec: ObjectiveSpec, *names: str) -> None:

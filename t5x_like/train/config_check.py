@@ -65,6 +65,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: Optional[int] = Non
   _check_data(config, model_cfg)
   _check_train(config)
   _check_optimizer(config)
+  _check_rules(config.mesh.rules)
   mesh_sizes = mesh_axis_sizes(config.mesh, num_devices)
   _check_batch(config, mesh_sizes)
   _check_param_dims(config, model_cfg, mesh_sizes)
@@ -137,6 +138,10 @@ def _check_model(config, vocab_size: Optional[int]) -> ModelConfig:
     if key not in fields:
       raise ConfigError(f"model.overrides.{key}: not a ModelConfig field; known:"
                         f" {sorted(fields)}")
+  if vocab_size is not None and overrides.get("vocab_size", vocab_size) < vocab_size:
+    raise ConfigError(f"model.overrides.vocab_size={overrides['vocab_size']}: smaller than the"
+                      f" vocabulary's {vocab_size} ids (ids past it would index outside the"
+                      " embedding); remove it or make it at least that")
   base = dict(dtype=m.dtype, scan_layers=m.scan_layers, remat_policy=m.remat_policy,
               attention_impl=m.get("attention_impl", "auto"))
   if vocab_size is not None:
@@ -171,6 +176,8 @@ def _check_data(config, model_cfg: ModelConfig) -> None:
       (f"train.phases[{i}].length", dict(p).get("length", d.length))
       for i, p in enumerate(config.train.phases or ())]
   for name, length in lengths:
+    if isinstance(length, bool) or not isinstance(length, int):
+      raise ConfigError(f"{name}={length!r}: expected an int (tokens per row)")
     _positive(name, length)
     if model_cfg.position_embedding == "learned" and length > model_cfg.max_position_embeddings:
       raise ConfigError(f"{name}={length} exceeds the model's max_position_embeddings="
@@ -183,7 +190,7 @@ def _check_data(config, model_cfg: ModelConfig) -> None:
                       " data.eval_source is empty")
   _positive("data.num_workers", d.num_workers, allow_zero=True)
   _choice("data.verify_checksums", d.get("verify_checksums", "blocks"), VERIFY_MODES)
-  known = spec.options()
+  known = spec.option_defaults()
   option_sets = [("data.options", dict(d.options))] + [
       (f"train.phases[{i}].options", dict(dict(p).get("options", {})))
       for i, p in enumerate(config.train.phases or ())]
@@ -192,6 +199,10 @@ def _check_data(config, model_cfg: ModelConfig) -> None:
       if key not in known:
         raise ConfigError(f"{name}.{key}: not an option of objective {d.objective!r};"
                           f" known: {sorted(known)}")
+      default = known[key]
+      if default is not None and not _same_type(options[key], default):
+        raise ConfigError(f"{name}.{key}={options[key]!r}: expected"
+                          f" {type(default).__name__} (like the default {default!r})")
 
 
 # ---------------------------------------------------------------- train, optimizer
@@ -245,6 +256,22 @@ def mesh_axis_sizes(mesh_cfg, num_devices: int) -> dict[str, int]:
   except ValueError as e:
     raise ConfigError(str(e)) from None
   return {a: ici[a] * dcn[a] for a in MESH_AXES}
+
+
+def _check_rules(rules) -> None:
+  """mesh.rules: (logical axis, mesh axes) pairs over names the models and meshes use."""
+  mesh_names = set(MESH_AXES) | set(parallel.TENSOR_AXES)
+  for i, rule in enumerate(rules or ()):
+    if not isinstance(rule, (tuple, list)) or len(rule) != 2:
+      raise ConfigError(f"mesh.rules[{i}]={rule!r}: expected a (logical axis, mesh axes) pair")
+    logical, axes = rule
+    if logical not in parallel.LOGICAL_AXES:
+      raise ConfigError(f"mesh.rules[{i}]: logical axis {logical!r} is not one the models"
+                        f" use; known: {sorted(parallel.LOGICAL_AXES)}")
+    for axis in (() if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)):
+      if axis not in mesh_names:
+        raise ConfigError(f"mesh.rules[{i}]: mesh axis {axis!r} is not a mesh axis; known:"
+                          f" {sorted(mesh_names)} (or None: replicated)")
 
 
 def _check_batch(config, mesh: dict[str, int]) -> None:
