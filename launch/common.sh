@@ -136,19 +136,29 @@ remote_setup_command() {  # remote_setup_command JAX_SPEC [PIP_OPTION...]: unpac
 }
 
 remote_train_command() {  # remote_train_command LOG PIDFILE ENV_PREFIX TRAIN_FLAG...
-  # cd into the package (CONFIG is relative to it), start `t5x-like train` under
-  # nohup in the background with its own log, and record its pid for `stop`.
+  # cd into the package (CONFIG is relative to it) and start, under nohup in the
+  # background with its own log, a loop that runs `t5x-like train` and runs it again
+  # while it exits 143: stopped by SIGTERM (a preemption) after saving its checkpoint,
+  # so the rerun resumes. Any other status (0 finished, 2 user error, 1 failure, 130
+  # Ctrl-C) ends the loop. PIDFILE holds the loop's pid, PIDFILE.train the trainer's.
   local log=$1 pidfile=$2 env_prefix=$3
   shift 3
-  printf '%s' "cd $REMOTE_PKG || exit 1; ${env_prefix}nohup $VENV/bin/t5x-like train" \
-    " $(remote_words "$@") > $log 2>&1 < /dev/null & echo \$! > $pidfile;" \
-    " echo \"\$(hostname): started t5x-like train, pid \$!, log $log\""
+  local train loop
+  train="${env_prefix}$VENV/bin/t5x-like train $(remote_words "$@")"
+  loop="while :; do $train & echo \$! > $pidfile.train; wait \$!; rc=\$?;"
+  loop+=" [ \$rc -eq 143 ] || exit \$rc;"
+  loop+=" echo \"\$(date): t5x-like train stopped by SIGTERM (exit 143); resuming\"; done"
+  printf '%s' "cd $REMOTE_PKG || exit 1; nohup bash -c $(remote_words "$loop")" \
+    " > $log 2>&1 < /dev/null & echo \$! > $pidfile;" \
+    " echo \"\$(hostname): started t5x-like train (rerun while it exits 143), pid \$!, log $log\""
 }
 
 remote_stop_command() {  # remote_stop_command PIDFILE
+  # The restart loop first (so nothing reruns), then the trainer: SIGTERM, so it saves
+  # a checkpoint at its current step and exits 143.
   printf '%s' "if [ -f $1 ] && kill \"\$(cat $1)\" 2>/dev/null;" \
-    " then echo \"\$(hostname): stopped\"; else echo \"\$(hostname): not running\"; fi;" \
-    " rm -f $1"
+    " then kill \"\$(cat $1.train)\" 2>/dev/null; echo \"\$(hostname): stopped\";" \
+    " else echo \"\$(hostname): not running\"; fi; rm -f $1 $1.train"
 }
 
 collect_extra_args() {  # EXTRA=(EXTRA_ARGS split on whitespace, then "$@")

@@ -183,10 +183,10 @@ def test_finetune_from_random_init_resumes_to_the_same_numbers(tmp_path, task_di
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_finetune_signal_saves_exits_zero_and_resumes_to_the_same_losses(signum, tmp_path,
-                                                                         task_dir):
-  """SIGTERM / Ctrl-C: a checkpoint at the current step, exit 0, no traceback; the rerun
-  finishes with every loss equal to an uninterrupted run's."""
+def test_finetune_signal_saves_exits_128_plus_signal_and_resumes(signum, tmp_path, task_dir):
+  """SIGTERM / Ctrl-C: a checkpoint at the current step, exit 128 + the signal (143 /
+  130), no traceback; the rerun finishes with every loss equal to an uninterrupted
+  run's."""
   args = ("--config.train.num_steps=300", "--config.train.log_every=1",
           "--config.train.checkpoint_every=0", "--config.train.eval_every=0")
   assert _finetune(str(tmp_path / "whole"), task_dir, *args) == 0
@@ -195,7 +195,7 @@ def test_finetune_signal_saves_exits_zero_and_resumes_to_the_same_losses(signum,
   _wait_for_losses(proc, cut, 1)
   proc.send_signal(signum)
   out, err = proc.communicate(timeout=300)
-  assert proc.returncode == 0, err[-3000:]
+  assert proc.returncode == 128 + signum, err[-3000:]
   assert "Traceback" not in err and "stopped at step" in out, (out, err[-3000:])
   stopped_at = int(re.search(r"stopped at step (\d+)", out).group(1))
   assert 1 <= stopped_at < 300 and not os.path.exists(os.path.join(cut, "final_metrics.json"))

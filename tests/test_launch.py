@@ -178,7 +178,9 @@ def test_tpu_extra_args_are_quoted_for_the_remote_shell(sandbox):
                        EXTRA_ARGS="--config.name=it's", **BERT_POD).stdout
   (cmd,) = _commands(out)
   remote = _flag(cmd, "--command")
-  train = shlex.split(remote.split("nohup ")[1].split(" >")[0])
+  words = shlex.split(remote.split("; ", 1)[1])  # nohup bash -c LOOP > log ...
+  loop = words[words.index("-c") + 1]  # while :; do TRAIN & echo ...
+  train = shlex.split(loop.split("do ", 1)[1].split(" & ")[0])
   assert train[-2:] == ["--config.name=it's", "--config.train.steps=10"]
 
 
@@ -271,7 +273,8 @@ def test_gpu_dry_run_two_hosts(sandbox):
             "gs://my-bucket/bert-base") in remote
     assert "--coordinator_address=gpu-a:1234" in remote  # the first host, without user@
     assert "--num_processes=2" in remote and f"--process_id={i}" in remote
-    assert "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 nohup" in remote
+    assert "nohup bash -c" in remote
+    assert "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 ~/t5x_like_venv/bin/t5x-like train" in remote
     assert f"> ~/t5x_like_train.process_{i}.log 2>&1" in remote
     subprocess.run(["bash", "-n", "-c", remote], check=True)
 
@@ -322,3 +325,82 @@ def test_wait_stops_on_failed_queued_resource(sandbox):
   proc = sandbox.launch(TPU, "create", POLL_SECONDS="0", FAKE_STATES="PROVISIONING FAILED",
                         check=False, **BERT_POD)
   assert proc.returncode != 0 and "FAILED" in proc.stderr
+
+
+# ------------------------------------------------------ the worker's restart loop
+
+FAKE_TRAIN = r"""#!/usr/bin/env bash
+# A stand-in for `t5x-like train`: exits with the next status of $HOME/statuses (one
+# per line; "wait": sleep until SIGTERM, then exit 143 as the trainer does).
+n=$(($(cat "$HOME/runs" 2>/dev/null || echo 0) + 1))
+echo "$n" > "$HOME/runs"
+status=$(sed -n "${n}p" "$HOME/statuses")
+if [[ $status == wait ]]; then
+  trap 'exit 143' TERM
+  touch "$HOME/waiting"
+  while :; do sleep 0.1; done
+fi
+exit "$status"
+"""
+
+
+def _worker_commands(sandbox, statuses):
+  """(run, stop) remote commands of the TPU script, with a fake trainer in the venv."""
+  home = sandbox.root / "home"
+  (home / "t5x_like").mkdir()
+  venv_bin = home / "t5x_like_venv" / "bin"
+  venv_bin.mkdir(parents=True)
+  (venv_bin / "t5x-like").write_text(FAKE_TRAIN)
+  (venv_bin / "t5x-like").chmod(0o755)
+  (home / "statuses").write_text("\n".join(statuses) + "\n")
+  run = _commands(sandbox.launch(TPU, "run", check=True, DRY_RUN="1", **BERT_POD).stdout)
+  stop = _commands(sandbox.launch(TPU, "stop", check=True, DRY_RUN="1", **BERT_POD).stdout)
+  return _flag(run[-1], "--command"), _flag(stop[-1], "--command"), home
+
+
+def _on_worker(command, home):
+  return subprocess.run(["bash", "-c", command], env={**os.environ, "HOME": str(home)},
+                        capture_output=True, text=True, timeout=30)
+
+
+def _wait_for(predicate, seconds=20):
+  import time
+  deadline = time.monotonic() + seconds
+  while not predicate():
+    assert time.monotonic() < deadline, "timed out"
+    time.sleep(0.05)
+
+
+def _alive(pidfile):
+  try:
+    os.kill(int(pidfile.read_text()), 0)
+    return True
+  except (FileNotFoundError, ProcessLookupError, ValueError):
+    return False
+
+
+@pytest.mark.parametrize("statuses, runs", [(["143", "143", "0"], 3), (["143", "2"], 2),
+                                            (["1"], 1), (["130"], 1)])
+def test_worker_loop_reruns_the_trainer_while_it_exits_143(sandbox, statuses, runs):
+  """The remote `run` command reruns `t5x-like train` after each exit 143 (stopped by
+  SIGTERM after saving) and stops at any other status."""
+  run, _, home = _worker_commands(sandbox, statuses)
+  assert _on_worker(run, home).returncode == 0
+  _wait_for(lambda: (home / "runs").exists() and not _alive(home / "t5x_like_train.pid"))
+  assert int((home / "runs").read_text()) == runs
+  log = (home / "t5x_like_train.log").read_text()
+  assert log.count("stopped by SIGTERM (exit 143); resuming") == statuses.count("143")
+
+
+def test_worker_stop_ends_the_loop_and_the_trainer_without_a_rerun(sandbox):
+  run, stop, home = _worker_commands(sandbox, ["wait", "0"])
+  assert _on_worker(run, home).returncode == 0
+  _wait_for(lambda: (home / "waiting").exists())
+  trainer = home / "t5x_like_train.pid.train"
+  _wait_for(trainer.exists)
+  trainer_pid = int(trainer.read_text())
+  assert "stopped" in _on_worker(stop, home).stdout
+  _wait_for(lambda: not _alive(home / "t5x_like_train.pid"))
+  _wait_for(lambda: not os.path.exists(f"/proc/{trainer_pid}") or
+            open(f"/proc/{trainer_pid}/stat").read().split()[2] == "Z")
+  assert int((home / "runs").read_text()) == 1  # SIGTERM's 143 did not rerun it

@@ -102,8 +102,9 @@ def test_sigkill_and_resume_reproduce_every_loss_bit_for_bit(config, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_sigterm_and_sigint_save_a_checkpoint_and_exit_zero(signum, tmp_path):
-  """SIGINT (Ctrl-C) saves like SIGTERM: no KeyboardInterrupt traceback, no lost steps."""
+def test_sigterm_and_sigint_save_a_checkpoint_and_exit_128_plus_signal(signum, tmp_path):
+  """SIGINT (Ctrl-C) saves like SIGTERM: no KeyboardInterrupt traceback, no lost steps;
+  exit 143 / 130, the status a launcher reads as "stopped, rerun me"."""
   workdir = str(tmp_path / "run")
   proc = subprocess.Popen(_train_command("gpt_cpu.py:smoke", workdir,
                                          "--config.train.num_steps=100000",
@@ -113,14 +114,14 @@ def test_sigterm_and_sigint_save_a_checkpoint_and_exit_zero(signum, tmp_path):
   _wait_for_step(workdir, proc, 3)
   proc.send_signal(signum)
   out, _ = proc.communicate(timeout=120)
-  assert proc.returncode == 0, out[-3000:]
+  assert proc.returncode == 128 + signum, out[-3000:]
   name = signal.Signals(signum).name
   match = [line for line in out.splitlines() if f"{name}: saving a checkpoint at step" in line]
   assert match, out[-3000:]
   assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
   step = int(match[0].split("at step ")[1].split()[0])
   assert os.path.isdir(os.path.join(workdir, "checkpoints", str(step)))
-  assert f"stopped at step {step}: checkpoint saved" in out
+  assert f"stopped by {name} at step {step}: checkpoint saved; exit {128 + signum}" in out
   assert max(_losses(workdir)) == step  # every trained step is in the checkpoint
 
 

@@ -140,7 +140,6 @@ def _finetune(config, task, workdir: str, setup) -> RunResult:
     def evaluate(state, step: int) -> dict:
       last["predictions"] = predictor(state.params, dev_features)
       result = dev_metrics(model, last["predictions"], dev_features, dev_set)
-      writer.write_scalars(step, {f"dev_{k}": v for k, v in result.items()})
       writer.log(f"step {step}: dev " + ", ".join(f"{k}={v:.4f}" for k, v in result.items()))
       return result
 
@@ -158,12 +157,13 @@ def _finetune(config, task, workdir: str, setup) -> RunResult:
       step, _, dev, stopped = run_steps(StepLoop(
           train_step, batches, jax.random.key(config.seed + 1), checkpointer, writer,
           preemption, evaluate, scalars, log_every=tc.log_every,
-          checkpoint_every=tc.checkpoint_every, eval_every=tc.eval_every),
+          checkpoint_every=tc.checkpoint_every, eval_every=tc.eval_every,
+          eval_row=lambda result: {f"dev_{k}": v for k, v in result.items()}),
                                         start.state, start.step, tc.num_steps)
     finally:
       preemption.restore()
   if stopped:
-    return RunResult(dev, step, "stopped")
+    return RunResult(dev, step, "stopped", preemption.requested)
 
   # ---------------------------------------------------------------- outputs
   final = dict(dev, step=step, train_examples=len(train_set.examples),

@@ -1,8 +1,8 @@
 """`t5x-like finetune --config configs/<file>.py[:arg] --workdir DIR [--config.key=value ...]`.
 
 Fine-tunes the backbone named by config.init on config.task (finetune/defaults.py) and
-prints the final dev metrics. SIGTERM or Ctrl-C saves a checkpoint and stops (exit 0;
-rerun to resume). Exit status 2 on bad input (a bad data row names its file and line),
+prints the final dev metrics. SIGTERM or Ctrl-C saves a checkpoint and stops (exit 143
+or 130, 128 + the signal's number; rerun to resume). Exit status 2 on bad input (a bad data row names its file and line),
 1 on a non-finite loss. Multi-host: every process runs the same command with the
 train command's flags (--num_processes, --process_id, --coordinator_address or
 --distributed=auto).
@@ -41,8 +41,8 @@ def main(argv: list[str]) -> int:
     print(f"t5x-like finetune: {e}", file=sys.stderr)
     return 1
   if final.status == "stopped":
-    print(f"stopped at step {final.step}: checkpoint saved; rerun the same command to"
-          " resume", flush=True)
-    return 0
+    print(f"stopped by {final.stopped_by} at step {final.step}: checkpoint saved; exit"
+          f" {final.exit_code}: rerun the same command to resume", flush=True)
+    return final.exit_code
   print("final dev metrics: " + json.dumps(final), flush=True)
-  return 0
+  return final.exit_code

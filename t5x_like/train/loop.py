@@ -133,7 +133,7 @@ def _run_phases(config, phases, step: int, state, data_state, run: "_Run", objec
                       resume_data), state, step, until_step)
       data_state = None
       if stopped:
-        return RunResult(eval_metrics, step, "stopped")
+        return RunResult(eval_metrics, step, "stopped", run.preemption.requested)
   finally:
     run.preemption.restore()
   return RunResult(eval_metrics, step, "finished")
@@ -180,9 +180,7 @@ def _phase_loop(run: _Run, config, phase: int, objective, eval_objective, batch_
     ppl = perplexity(means)
     if ppl is not None:
       means["perplexity"] = ppl
-    result = {f"eval_{k}": v for k, v in means.items()}
-    run.writer.write_scalars(step, result)
-    return result
+    return {f"eval_{k}": v for k, v in means.items()}
 
   def scalars(metrics, step: int, seconds: float) -> dict:
     return summarize_train_metrics(

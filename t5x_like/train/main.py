@@ -41,11 +41,13 @@ def main(argv: list[str]) -> int:
   shown = ", ".join(f"{k}={round(v, 4)}" for k, v in sorted(result.items())
                     if k.endswith(("accuracy", "loss", "perplexity")))
   if result.status == "stopped":
-    print(f"stopped at step {result.step}: checkpoint saved; rerun the same command to"
-          " resume" + (f" (last eval: {shown})" if shown else ""), flush=True)
+    print(f"stopped by {result.stopped_by} at step {result.step}: checkpoint saved; exit"
+          f" {result.exit_code}: rerun the same command to resume"
+          + (f" (last eval: {shown})" if shown else ""), flush=True)
   elif result.status == "already_finished":
     print(f"already finished at step {result.step} in {fv.workdir}; final eval: "
           + (shown or "none recorded"), flush=True)
   else:
-    print(f"final eval: {shown}", flush=True)
-  return 0
+    print(f"finished at step {result.step}; final eval: {shown or 'none recorded'}",
+          flush=True)
+  return result.exit_code

@@ -39,15 +39,35 @@ class Preemption:
       signal.signal(s, handler)
 
 
+EXIT_FINISHED = 0  # trained to the end (now or before)
+EXIT_FAILURE = 1  # e.g. a non-finite loss, a crash
+EXIT_USER_ERROR = 2  # t5x_like.errors.UserError: one line naming the key, file or path
+
+
+def stopped_exit_code(signal_name: str) -> int:
+  """Exit status of a run stopped by `signal_name` after saving its checkpoint: 128 + the
+  signal's number, as a shell reports a process that signal ended (SIGTERM 143, SIGINT
+  130), so a launcher tells "preempted, rerun me" (143) from "done" (0)."""
+  return 128 + signal.Signals[signal_name].value
+
+
 class RunResult(dict):
   """The last eval metrics (pretraining) or the final dev metrics (fine-tuning), as a
   dict, with how the run ended.
 
   step: the step reached. status: 'finished' (trained to the end now),
   'already_finished' (the workdir's run had ended; the metrics are its last eval row)
-  or 'stopped' (a signal; a checkpoint of `step` is saved and a rerun resumes).
+  or 'stopped' (by the signal `stopped_by`; a checkpoint of `step` is saved and a rerun
+  resumes). exit_code: the command's exit status for it.
   """
 
-  def __init__(self, metrics: dict, step: int, status: str):
+  def __init__(self, metrics: dict, step: int, status: str,
+               stopped_by: Optional[str] = None):
     super().__init__(metrics)
-    self.step, self.status = step, status
+    self.step, self.status, self.stopped_by = step, status, stopped_by
+
+  @property
+  def exit_code(self) -> int:
+    if self.status == "stopped":
+      return stopped_exit_code(self.stopped_by or "SIGTERM")
+    return EXIT_FINISHED

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
 import time
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -30,6 +31,17 @@ from t5x_like.train.checkpoints import Checkpointer
 from t5x_like.train.metrics import MetricWriter
 from t5x_like.train.preemption import Preemption
 from t5x_like.train.prefetch import DevicePrefetcher
+
+# Fault injection for the kill tests: T5X_LIKE_FAILPOINT="POINT@STEP" SIGKILLs this
+# process at POINT ("before_row", "after_row", "after_save") of step STEP.
+FAILPOINT_ENV = "T5X_LIKE_FAILPOINT"
+
+
+def failpoint(point: str, step: int) -> None:
+  """Dies by SIGKILL here when T5X_LIKE_FAILPOINT names this point and step."""
+  wanted = os.environ.get(FAILPOINT_ENV)
+  if wanted and wanted == f"{point}@{step}":
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 @contextlib.contextmanager
@@ -85,9 +97,10 @@ def device_batches(objective, batch_size: int, *, seed: int, mesh, rules, shuffl
 
 @dataclasses.dataclass
 class StepLoop:
-  """What run_steps needs. evaluate(state, step) writes and returns eval metrics;
-  scalars(metrics, step, seconds per step) -> the train row; checkpoint_extra() -> what
-  a checkpoint keeps besides the state and the loader's position ("data")."""
+  """What run_steps needs. evaluate(state, step) -> eval metrics, and eval_row(metrics)
+  -> the scalars they add to the step's row; scalars(metrics, step, seconds per step)
+  -> the train row; checkpoint_extra() -> what a checkpoint keeps besides the state and
+  the loader's position ("data")."""
 
   train_step: Callable
   batches: DevicePrefetcher
@@ -101,11 +114,18 @@ class StepLoop:
   checkpoint_every: int = 0
   eval_every: int = 0
   checkpoint_extra: Callable[[], dict] = dict
+  eval_row: Callable[[dict], dict] = dict
 
 
 def run_steps(loop: StepLoop, state, step: int, until_step: int):
   """Steps from `step` to `until_step`: (step, state, last eval metrics, stopped by a
-  signal). The end is always checkpointed and evaluated."""
+  signal). The end is always evaluated and checkpointed.
+
+  Each step writes at most one metrics row (train scalars and eval metrics together),
+  and writes it before the step's checkpoint: a run killed at any moment resumes from
+  a checkpoint whose rows are all written, and drops the rows after it
+  (MetricWriter.truncate_after), so no row is lost or written twice.
+  """
   checkpointer, writer = loop.checkpointer, loop.writer
 
   def save(step: int, force: bool = False):
@@ -119,8 +139,11 @@ def run_steps(loop: StepLoop, state, step: int, until_step: int):
     state, metrics = loop.train_step(state, next(loop.batches), loop.rng)
     step += 1
     interval_steps += 1
-    at_checkpoint = loop.checkpoint_every and step % loop.checkpoint_every == 0
-    if step % loop.log_every == 0 or at_checkpoint or step == until_step:
+    at_end = step == until_step
+    at_checkpoint = bool(loop.checkpoint_every and step % loop.checkpoint_every == 0)
+    stopping = bool(loop.preemption.requested) and not at_end
+    row: dict = {}
+    if step % loop.log_every == 0 or at_checkpoint or at_end or stopping:
       metrics = jax.device_get(metrics)
       loss = float(metrics["loss"])
       if not np.isfinite(loss):
@@ -128,20 +151,22 @@ def run_steps(loop: StepLoop, state, step: int, until_step: int):
             f"non-finite loss {loss} at step {step}; stopping. The last good checkpoint is"
             f" step {checkpointer.latest_step()}")
       seconds = (time.perf_counter() - interval_start) / interval_steps
-      writer.write_scalars(step, loop.scalars(metrics, step, seconds))
+      row.update(loop.scalars(metrics, step, seconds))
       writer.progress(step, loss)
       interval_start, interval_steps = time.perf_counter(), 0
-    if at_checkpoint:
-      save(step)
-    if loop.eval_every and step % loop.eval_every == 0:
+    if at_end or (loop.eval_every and step % loop.eval_every == 0):
       eval_metrics = loop.evaluate(state, step)
-    if loop.preemption.requested and step < until_step:
+      row.update(loop.eval_row(eval_metrics))
+    failpoint("before_row", step)
+    if row:
+      writer.write_scalars(step, row)
+    failpoint("after_row", step)
+    if stopping:
       writer.log(f"{loop.preemption.requested}: saving a checkpoint at step {step} and"
                  " stopping; rerun the same command to resume")
       save(step, force=True)
       return step, state, eval_metrics, True
-  if checkpointer.latest_step() != step:
-    save(step, force=True)  # the end: the next phase (or a rerun) resumes here
-  if not eval_metrics or not loop.eval_every or step % loop.eval_every:
-    eval_metrics = loop.evaluate(state, step)
+    if at_checkpoint or at_end:
+      save(step, force=at_end)  # the end: the next phase (or a rerun) resumes here
+      failpoint("after_save", step)
   return step, state, eval_metrics, False
