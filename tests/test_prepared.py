@@ -279,6 +279,31 @@ def test_scattered_gathers_equal_numpy_indexing(prepared_t5):
   np.testing.assert_array_equal(store.tokens[idx.reshape(-1, 3)], whole[idx.reshape(-1, 3)])
 
 
+@pytest.mark.parametrize("verify", ["blocks", "none"])
+def test_batched_range_reads_equal_numpy_slices(prepared_t5, verify):
+  """ShardedArray.read_ranges (one read per group of runs): the concatenated slices of
+  the whole array, for ranges across shard boundaries, at the end, empty or overlapping;
+  store.doc_token_runs: doc_token_offsets of each range, concatenated."""
+  store, _ = open_prepared(prepared_t5, default_vocab("t5"), verify=verify)
+  rng = np.random.RandomState(1)
+  for array in (store.tokens, store.sentence_offsets, store.doc_token_table,
+                store.doc_sentences):
+    whole = np.asarray(array[np.arange(len(array))])
+    cut = int(array.starts[1])  # the first shard boundary
+    lo = np.clip(np.concatenate([rng.randint(0, len(whole), 40),
+                                 [cut - 3, cut, 0, len(whole) - 2, len(whole), 5, 5]]),
+                 0, len(whole))
+    hi = np.minimum(lo + np.concatenate([rng.randint(0, 3000, 40), [7, 1, 0, 2, 0, 9, 9]]),
+                    len(whole))
+    got = array.read_ranges(lo, hi)
+    assert got.dtype == whole.dtype
+    np.testing.assert_array_equal(got, np.concatenate([whole[a:b] for a, b in zip(lo, hi)]))
+  lo = np.array([0, 1, store.num_docs - 1, 0])
+  hi = np.minimum(lo + 1, store.num_docs)
+  np.testing.assert_array_equal(store.doc_token_runs(lo, hi), np.concatenate(
+      [store.doc_token_offsets(a, b) for a, b in zip(lo, hi)]))
+
+
 @pytest.mark.parametrize("what", ["tokens", "sentences", "doc_tokens"])
 def test_a_damaged_block_fails_only_the_reads_that_touch_it(what, prepared_t5, tmp_path):
   """With CRC checks (the default), a flipped byte fails every read touching its 16 KiB
@@ -307,10 +332,13 @@ def test_a_damaged_block_fails_only_the_reads_that_touch_it(what, prepared_t5, t
              "doc_tokens": store.doc_token_table}[what]
   with pytest.raises(PreparedCorpusError, match=f"train-00000.{what}.npy.*CRC-32"):
     damaged[np.asarray([victim])]
+  with pytest.raises(PreparedCorpusError, match=f"train-00000.{what}.npy.*CRC-32"):
+    damaged.read_ranges([0, victim], [1, victim + 1])
   block_start = (header + victim * itemsize) // 16384 * 16384
   first_safe = max(0, (block_start - header) // itemsize - 1)
   safe = np.arange(0, first_safe)
   np.testing.assert_array_equal(damaged[safe], before[safe])
+  np.testing.assert_array_equal(damaged.read_ranges([0], [first_safe]), before[safe])
   unchecked, _ = open_prepared(corpus, vocab, verify="none")
   seen = {"tokens": unchecked.tokens, "sentences": unchecked.sentence_offsets,
           "doc_tokens": unchecked.doc_token_table}[what]

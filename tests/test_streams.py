@@ -41,7 +41,7 @@ def random_store(num_docs, seed=0):
 
 
 class CountingStore:
-  """A store that counts the document offsets read through doc_token_offsets and fails
+  """A store that counts the document offsets read (doc_token_offsets, doc_token_runs); fails
   on doc_offsets (a read of every document)."""
 
   def __init__(self, store):
@@ -62,6 +62,10 @@ class CountingStore:
   def doc_token_offsets(self, lo, hi):
     self.offsets_read += hi - lo + 1
     return self.inner.doc_token_offsets(lo, hi)
+
+  def doc_token_runs(self, lo, hi):
+    self.offsets_read += int((np.asarray(hi) - lo + 1).sum())
+    return self.inner.doc_token_runs(lo, hi)
 
 
 def _check_windows(stream, want_tokens, want_starts, starts, length):

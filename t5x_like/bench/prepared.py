@@ -9,12 +9,13 @@ text with the books' vocabulary and line lengths), cut into documents of 40 line
 copy. Then:
 - prepare: `t5x-like data prepare`'s pipeline (DirectRunner) with 1 and with 2 worker
   processes: seconds and characters/s per worker;
-- start-up, the median of 5 fresh processes: each opens the prepared corpus (verify
-  "blocks", the default: each block read is CRC-checked; and "full": every file hashed
-  first), builds the objective and makes the first host batch: seconds, and how far its peak
-  RSS (VmHWM, reset after the imports) grows over the RSS after the imports while it
-  also makes 30 more batches (the data side's memory; Linux /proc), split at the end
-  into anonymous memory (what the process allocated) and mapped file pages (the
+- start-up, the median of 5 fresh processes (after os.sync(): the writeback of the
+  corpus just written does not run during them): each opens the prepared corpus
+  (verify "blocks", the default: each block read is CRC-checked; and "full": every file
+  hashed first), builds the objective and makes the first host batch: seconds, and how
+  far its peak RSS (VmHWM, reset after the imports) grows over the RSS after the imports
+  while it also makes 30 more batches (the data side's memory; Linux /proc), split at
+  the end into anonymous memory (what the process allocated) and mapped file pages (the
   corpus pages it touched: page cache, which the kernel reclaims at will);
 - throughput: tokens/s of the objective's host batches from the prepared corpus, one
   core (as `bench data`).
@@ -150,6 +151,8 @@ def bench_prepared(*, sizes_mb=(50, 2000), objective: str = "span_corruption",
       times = [row["prepare"][f"workers_{n}"]["seconds"] for n in workers]
       row["prepare"]["speedup_last_over_first"] = round(times[0] / times[-1], 2)
       shutil.rmtree(text_dir)
+      if hasattr(os, "sync"):  # the corpus just written: its writeback not in the timings
+        os.sync()
       row["startup_blocks"] = _startup(prepared, objective, verify="blocks")
       row["startup_full"] = _startup(prepared, objective, verify="full")
       result["sizes"][f"{size}MB"] = row

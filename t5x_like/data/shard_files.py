@@ -3,6 +3,7 @@
   array = ShardFile(path, entry, crc_block_bytes=16384)  # entry: the manifest's
   array[np.array([5, 6, 7, 900])]                        # one read per run of wanted elements
   whole = ShardedArray([array_0, array_1], lengths, adds, np.int64, tail=N)
+  whole.read_ranges(starts, ends)                        # many slices: one read per group
 
 A shard file is read by byte ranges: os.pread on a local file (no page of it is mapped
 into the process: a memory map counts every page it faults in, and the kernel maps
@@ -26,6 +27,7 @@ from t5x_like.errors import UserError
 from t5x_like.fs import is_url
 
 CRC_BLOCK_BYTES = 1 << 14
+CRC_READ_WORDS = 1 << 14  # read_runs reads the CRCs of a span up to this many blocks at once
 
 
 class PreparedCorpusError(UserError, ValueError):
@@ -80,6 +82,14 @@ class _Reader:
       return self._handle.read(hi - lo)
     return os.pread(self._handle, hi - lo, lo)
 
+  def into(self, lo: int, hi: int, buffer: memoryview) -> memoryview:
+    """Bytes [lo, hi), read into `buffer` (at least hi - lo bytes) on a local file."""
+    if self.url or self._handle is None:
+      data = memoryview(self(lo, hi))
+      buffer[:len(data)] = data
+      return buffer[:len(data)]
+    return buffer[:os.preadv(self._handle, [buffer[:hi - lo]], lo)]
+
 
 class ShardFile:
   """A 1-D .npy shard file's data, indexed by int arrays (any shape); its header is
@@ -111,29 +121,72 @@ class ShardFile:
   def __len__(self) -> int:
     return self.length
 
-  def _checked(self, lo: int, hi: int) -> bytes:
-    """File bytes [lo, hi); with CRCs, read as whole blocks and each block checked."""
-    if self._crcs is None:
-      return self._read(lo, hi)
-    first, last = lo // self.block, (hi - 1) // self.block + 1
+  def _blocks(self, first: int, last: int) -> bytes:
+    """File bytes of CRC blocks [first, last) (the last one may be short), each checked."""
     data = self._read(first * self.block, min(last * self.block, self.file_bytes))
-    want = np.frombuffer(self._crcs(4 * first, 4 * last), "<u4")
-    view = memoryview(data)
-    for j in range(last - first):
-      piece = view[j * self.block:(j + 1) * self.block]
+    self._check(memoryview(data), first, self._crcs(4 * first, 4 * last))
+    return data
+
+  def _check(self, data: memoryview, first: int, crcs) -> None:
+    """PreparedCorpusError unless each block of data (blocks first, first + 1, ...)
+    has its CRC-32 in crcs (little-endian uint32 bytes, or a list of ints)."""
+    want = np.frombuffer(crcs, "<u4").tolist() if isinstance(crcs, bytes) else crcs
+    for j in range(-(-len(data) // self.block)):
+      piece = data[j * self.block:(j + 1) * self.block]
       if j >= len(want) or zlib.crc32(piece) != want[j]:
         at = (first + j) * self.block
         raise PreparedCorpusError(
             f"prepared corpus {self.corpus}: shard file {self.name}: bytes {at}..{at + len(piece)}"
             " fail their CRC-32 check (damaged); prepare the corpus again")
+
+  def _checked(self, lo: int, hi: int) -> bytes:
+    """File bytes [lo, hi); with CRCs, read as whole blocks and each block checked."""
+    if self._crcs is None:
+      return self._read(lo, hi)
+    first = lo // self.block
     start = lo - first * self.block
-    return data[start:start + hi - lo]
+    return self._blocks(first, (hi - 1) // self.block + 1)[start:start + hi - lo]
 
   def read_range(self, lo: int, hi: int) -> np.ndarray:
     """Elements [lo, hi) (0 <= lo <= hi <= len): one read."""
     size = self.dtype.itemsize
     return np.frombuffer(self._checked(self.offset + lo * size, self.offset + hi * size),
                          self.dtype)
+
+  def read_runs(self, starts: np.ndarray, ends: np.ndarray, out: np.ndarray,
+                at: np.ndarray, add: int = 0) -> None:
+    """out[at[i]:at[i] + ends[i] - starts[i]] = elements [starts[i], ends[i]) + add, for
+    each i [R]: one read (of whole CRC blocks, each checked once) per group of runs
+    that overlap or touch, into one reused buffer."""
+    size, unit = self.dtype.itemsize, self.block or 1
+    order = np.argsort(starts, kind="stable")
+    lo = self.offset + np.asarray(starts, np.int64)[order] * size  # [R] sorted by start
+    hi = np.maximum(self.offset + np.asarray(ends, np.int64)[order] * size, lo)
+    first, last = lo // unit, np.maximum(-(-hi // unit), lo // unit + 1)  # [R] units
+    new = np.ones(len(order), bool)  # [R] run opens a group
+    new[1:] = first[1:] > np.maximum.accumulate(last)[:-1]
+    heads = np.flatnonzero(new)
+    g_first = first[heads]
+    g_last = np.minimum(np.maximum.reduceat(last, heads) if len(heads) else g_first,
+                        -(-self.file_bytes // unit))
+    spans = list(zip(g_first.tolist(), g_last.tolist()))
+    crcs = None
+    if self._crcs is not None and spans and spans[-1][1] - spans[0][0] <= CRC_READ_WORDS:
+      crcs = np.frombuffer(self._crcs(4 * spans[0][0], 4 * spans[-1][1]), "<u4").tolist()
+    buffer = memoryview(bytearray(int((g_last - g_first).max(initial=0)) * unit))
+    group = np.cumsum(new) - 1  # [R] each run's group
+    runs = zip(group.tolist(), (lo - g_first[group] * unit).tolist(),  # byte in the group
+               ((hi - lo) // size).tolist(), np.asarray(at)[order].tolist())
+    run = next(runs, None)
+    for g, (a, b) in enumerate(spans):
+      data = self._read.into(a * unit, min(b * unit, self.file_bytes), buffer)
+      if self._crcs is not None:
+        self._check(data, a, self._crcs(4 * a, 4 * b) if crcs is None
+                    else crcs[a - spans[0][0]:b - spans[0][0]])
+      while run is not None and run[0] == g:
+        _, skip, n, o = run
+        np.add(np.frombuffer(data, self.dtype, n, skip), add, out=out[o:o + n])
+        run = next(runs, None)
 
   def __getitem__(self, idx) -> np.ndarray:
     size, base = self.dtype.itemsize, self.offset
@@ -219,6 +272,30 @@ class ShardedArray:
       local = flat[sel] - self.starts[k]
       out[sel] = np.asarray(self.arrays[k][local], self.dtype) + self.adds[k]
     return out.reshape(idx.shape)
+
+  def read_ranges(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Elements [starts[i], ends[i]) for each i [R] (inside the array), concatenated:
+    one ShardFile.read_runs per shard they touch."""
+    starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
+    starts, ends = starts[ends > starts], ends[ends > starts]
+    self.elements_read += int((ends - starts).sum())
+    # each range split at the shard boundaries inside it: pieces [P], in output order
+    first = np.searchsorted(self.starts, starts, side="right") - 1
+    count = np.searchsorted(self.starts, ends - 1, side="right") - first
+    shard = np.repeat(first - np.cumsum(count) + count, count) + np.arange(count.sum())
+    lo = np.maximum(np.repeat(starts, count), self.starts[shard])
+    hi = np.minimum(np.repeat(ends, count), np.append(self.starts[1:], self.length)[shard])
+    shard, lo, hi = shard[hi > lo], lo[hi > lo], hi[hi > lo]  # (empty shards)
+    out = np.empty(int((hi - lo).sum()), self.dtype)
+    at = np.cumsum(hi - lo) - (hi - lo)  # [P] where each piece goes in `out`
+    for k in sorted_unique(shard).tolist():
+      sel = shard == k
+      if k == len(self.arrays):  # the tail
+        out[at[sel]] = self.tail
+      else:
+        self.arrays[k].read_runs(lo[sel] - self.starts[k], hi[sel] - self.starts[k], out,
+                                 at[sel], self.adds[k])
+    return out
 
   def _range(self, lo: int, hi: int) -> np.ndarray:
     """Elements [lo, hi) by one contiguous read per shard they span."""

@@ -73,6 +73,15 @@ class TokenStore:
     return np.asarray(self.sentence_offsets[np.asarray(self.doc_sentences[lo:hi + 1])],
                       np.int64)
 
+  def doc_token_runs(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """doc_token_offsets(lo[i], hi[i]) for each i [R], concatenated [sum(hi - lo + 1)]:
+    on a prepared corpus, one batched read (ShardedArray.read_ranges)."""
+    lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64) + 1
+    if hasattr(self.doc_token_table, "read_ranges"):
+      return np.asarray(self.doc_token_table.read_ranges(lo, hi), np.int64)
+    n = hi - lo
+    return self._doc_token_gather(np.repeat(lo - np.cumsum(n) + n, n) + np.arange(n.sum()))
+
   def chunk_token_offsets(self) -> np.ndarray:
     """[C + 1] token offsets of documents 0, K, 2K, ... and of the end, K =
     STREAM_CHUNK_DOCS: where each chunk of K consecutive documents starts."""

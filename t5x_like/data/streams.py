@@ -14,9 +14,10 @@ order order_rng(seed, epoch, c).permutation(documents in c), where
 
 Neither the stream nor a per-document table of the epoch is ever built: construction
 reads the store's chunk table (store.chunk_token_offsets, O(D / K)), and a window loads
-only the chunks it touches (their documents' offsets, store.doc_token_offsets) into a
-small LRU cache. Per-host memory and start-up time stay small for any corpus, and
-example i stays a cheap, pure function of (seed, epoch, i).
+only the chunks it touches into a small LRU cache, all that it misses in one batch: their
+documents' offsets in one read (store.doc_token_runs), their generators seeded together
+(data/seeding.py; each draws as its order_rng). Per-host memory and start-up time stay
+small for any corpus, and example i stays a cheap, pure function of (seed, epoch, i).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Optional
 import numpy as np
 
 from t5x_like.data import store as token_store
+from t5x_like.data.seeding import keyed_generators
 from t5x_like.data.store import TokenStore
 
 STREAM_KEY = 0x57E4  # first spawn-key word of the stream's order generators
@@ -41,16 +43,15 @@ def order_rng(seed: int, epoch: int, *key: int) -> np.random.Generator:
 
 @dataclasses.dataclass(frozen=True)
 class _Chunk:
-  """One chunk's documents in their epoch order.
+  """One chunk's n documents in their epoch order, then the chunk's end.
 
-  starts: [n] int64 stream offset of each document from the chunk's start.
-  sources: [n] int64 token offset of each in the store.
-  lengths: [n] int64 tokens of each, separator excluded.
+  starts: [n + 1] int64 stream offset of each document from the chunk's start, then the
+    chunk's length (separators included).
+  sources: [n + 1] int64 token offset of each in the store, then a placeholder.
   """
 
   starts: np.ndarray
   sources: np.ndarray
-  lengths: np.ndarray
 
 
 class EpochStream:
@@ -85,25 +86,42 @@ class EpochStream:
     docs = np.minimum(k, num_docs - k * np.arange(num_chunks, dtype=np.int64))
     return np.diff(offsets) + (self.separator is not None) * docs
 
-  def _chunk(self, chunk: int) -> _Chunk:
-    """Store chunk `chunk`'s table, loaded on first use and kept in the LRU cache."""
-    table = self._cache.pop(chunk, None)
-    if table is None:
-      table = self._load_chunk(chunk)
-    self._cache[chunk] = table
+  def _tables(self, chunks: list[int]) -> list[_Chunk]:
+    """The tables of store chunks `chunks` (distinct), the missing ones loaded in one
+    batch (_load_chunks); all kept in the LRU cache."""
+    missing = [c for c in chunks if c not in self._cache]
+    loaded = dict(zip(missing, self._load_chunks(missing))) if missing else {}
+    tables = []
+    for c in chunks:
+      table = self._cache.pop(c, None)
+      self._cache[c] = table = loaded[c] if table is None else table
+      tables.append(table)
     while len(self._cache) > self.cached_chunks:
       del self._cache[next(iter(self._cache))]
-    return table
+    return tables
 
-  def _load_chunk(self, chunk: int) -> _Chunk:
-    lo = chunk * self.chunk_docs
-    hi = min(lo + self.chunk_docs, self.store.num_docs)
-    offsets = np.asarray(self.store.doc_token_offsets(lo, hi), np.int64)  # [n + 1]
-    order = order_rng(self.seed, self.epoch, chunk).permutation(hi - lo)
-    lengths = np.diff(offsets)[order]
-    starts = np.zeros(len(order), np.int64)
-    np.cumsum((lengths + (self.separator is not None))[:-1], out=starts[1:])
-    return _Chunk(starts, offsets[:-1][order], lengths)
+  def _load_chunks(self, chunks: list[int]) -> list[_Chunk]:
+    """The tables of store chunks `chunks` [M]: their document offsets in one read
+    (store.doc_token_runs), their orders from generators seeded in one batch."""
+    lo = np.asarray(chunks, np.int64) * self.chunk_docs
+    n = np.minimum(lo + self.chunk_docs, self.store.num_docs) - lo  # [M] documents
+    offsets = np.asarray(self.store.doc_token_runs(lo, lo + n), np.int64)  # [sum(n + 1)]
+    gens = keyed_generators([self.seed, self.epoch], [STREAM_KEY], chunks)
+    tables, at, sep = [], 0, self.separator is not None
+    for size, gen in zip(n.tolist(), gens):
+      order = gen.permutation(size)  # = order_rng(seed, epoch, chunk).permutation(size)
+      chunk = offsets[at:at + size + 1]  # [size + 1] its documents' token offsets
+      table = np.empty((2, size + 1), np.int64)  # [starts, sources], then the end
+      table[1, :size] = chunk[order]
+      steps = chunk[order + 1]
+      steps -= table[1, :size]
+      if sep:
+        steps += sep
+      table[0, 0] = table[1, size] = 0
+      np.cumsum(steps, out=table[0, 1:])
+      tables.append(_Chunk(table[0], table[1]))
+      at += size + 1
+    return tables
 
   def _touched_places(self, starts: np.ndarray, length: int) -> np.ndarray:
     """[U] sorted places in the chunk order that windows [s, s + length) touch."""
@@ -114,15 +132,14 @@ class EpochStream:
     places = np.arange(counts.sum()) - np.repeat(run_starts - first, counts)
     return np.unique(places)
 
-  def _documents(self, places: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Stream start [M], store token offset [M] and length [M] of every document of the
-    chunks at `places` [U] (sorted), in stream order."""
-    tables = [self._chunk(int(c)) for c in self.chunk_order[places]]
-    sizes = [len(t.starts) for t in tables]
+  def _documents(self, places: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Stream start [M] and store token offset [M] of every document of the chunks at
+    `places` [U] (sorted), in stream order, each chunk's followed by its end (M counts
+    them): a position's document is the last start at or before it."""
+    tables = self._tables(self.chunk_order[places].tolist())
     starts = np.concatenate([t.starts for t in tables])
-    starts += np.repeat(self._chunk_starts[places], sizes)
-    return (starts, np.concatenate([t.sources for t in tables]),
-            np.concatenate([t.lengths for t in tables]))
+    starts += np.repeat(self._chunk_starts[places], [len(t.starts) for t in tables])
+    return starts, np.concatenate([t.sources for t in tables])
 
   def window(self, starts: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
     """Stream positions [s, s + length) for each s in starts [B].
@@ -136,15 +153,15 @@ class EpochStream:
     if len(starts) == 0 or length <= 0:
       shape = (len(starts), max(length, 0))
       return np.zeros(shape, np.int32), np.zeros(shape, bool)
-    doc_starts, sources, lengths = self._documents(self._touched_places(starts, length))
+    doc_starts, sources = self._documents(self._touched_places(starts, length))
     pos = starts[:, None] + np.arange(length, dtype=np.int64)[None, :]
     doc = np.searchsorted(doc_starts, pos, side="right") - 1
     offset = pos - doc_starts[doc]
     src = sources[doc] + offset
     if self.separator is None:
       tokens = self.store.tokens[src]
-    else:
-      is_sep = offset == lengths[doc]
+    else:  # a document's last position holds its separator
+      is_sep = doc_starts[doc + 1] - pos == 1
       tokens = self.store.tokens[np.minimum(src, self.store.num_tokens - 1)]
       tokens = np.where(is_sep, np.int32(self.separator), tokens)
     return np.asarray(tokens).astype(np.int32, copy=False), offset == 0
