@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from t5x_like import parallel
@@ -405,3 +406,95 @@ def test_a_run_resumed_past_one_flipped_byte_matches_an_undamaged_run(tmp_path, 
   got = losses()
   assert [got[s] for s in range(6, 11)] == [undamaged[s] for s in range(6, 11)]
   assert max(got) == 12 and len(list(step_dir.parent.glob("10.corrupt-*"))) == 1
+
+
+def _gpt_smoke(num_steps: int):
+  import importlib.util
+  root = pathlib.Path(__file__).resolve().parent.parent
+  spec = importlib.util.spec_from_file_location("gpt_cpu", root / "configs" / "gpt_cpu.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config("smoke")
+  config.train.num_steps, config.train.log_every = num_steps, 1
+  config.train.checkpoint_every, config.train.eval_every = 5, 100
+  config.optimizer.decay_steps = 40
+  return config
+
+
+@pytest.mark.slow
+def test_a_disk_filling_up_during_training_stops_the_run_at_that_save(tmp_path, monkeypatch):
+  """The asynchronous save of step 10 fails in the background: the run stops within a
+  step or two (not at the next checkpoint, step 15) with one line naming step 10, its
+  unfinished directory removed; freed, a rerun resumes from step 5 and finishes."""
+  from t5x_like.train import loop
+  from t5x_like.train.metrics import read_jsonl
+  workdir = tmp_path / "run"
+  disk = workdir / "checkpoints"
+  disk.mkdir(parents=True)
+  subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(disk)], check=True)
+  fillers = []
+  try:
+    check = Checkpointer._check_space
+    def check_then_fill(ckpt, step, *args):
+      needed = check(ckpt, step, *args)
+      if step == 10:
+        fillers.append(_fill(disk))
+      return needed
+    monkeypatch.setattr(Checkpointer, "_check_space", check_then_fill)
+    with pytest.raises(CheckpointSpaceError) as raised:
+      loop.train(_gpt_smoke(20), str(workdir))
+    message = str(raised.value)
+    assert "\n" not in message and "checkpoint step 10" in message, message
+    assert "filled up" in message and "resume from step 5" in message, message
+    last_row = max(r["step"] for r in read_jsonl(str(workdir / "metrics.jsonl")))
+    assert 10 <= last_row < 15, last_row
+    assert sorted(os.listdir(disk)) == ["5", "filler"]
+    fillers[0].unlink()
+    monkeypatch.undo()
+    gc.collect()
+    result = loop.train(_gpt_smoke(20), str(workdir))
+    assert (result.status, result.step) == ("finished", 20)
+    rows = [r["step"] for r in read_jsonl(str(workdir / "metrics.jsonl"))]
+    assert rows == list(range(1, 21))
+  finally:
+    gc.collect()
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def _cli_train(workdir, *flags):
+  import sys
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  root = pathlib.Path(__file__).resolve().parent.parent
+  return subprocess.run(
+      [sys.executable, "-m", "t5x_like.cli", "train",
+       f"--config={root}/configs/gpt_cpu.py:smoke", f"--workdir={workdir}",
+       "--config.train.checkpoint_every=5", *flags],
+      env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_reading_a_damaged_or_mismatched_checkpoint_prints_a_few_lines(tmp_path):
+  """Orbax reads that fail half-way used to print one traceback per array still in
+  flight (70-105 KB): a mismatched model is now refused from the metadata, before any
+  read, and a read that fails anyway (damage the checksums cannot see: a step sealed
+  after it was damaged) is reported in the warning lines alone."""
+  workdir = tmp_path / "run"
+  assert _cli_train(workdir, "--config.train.num_steps=10").returncode == 0
+  mismatched = _cli_train(workdir, "--config.train.num_steps=12",
+                          "--config.model.overrides.d_model=96")
+  assert mismatched.returncode == 2, mismatched.stderr[-3000:]
+  assert len(mismatched.stderr.splitlines()) == 1, mismatched.stderr[-3000:]
+  assert "checkpoint step 10" in mismatched.stderr and "shape changed" in mismatched.stderr
+  step_dir = workdir / "checkpoints" / "10"
+  for data_file in (step_dir / "state").rglob("d/*"):
+    data = bytearray(data_file.read_bytes())
+    data[100::97] = bytes(b ^ 0xFF for b in data[100::97])
+    data_file.write_bytes(bytes(data))
+  for manifest in step_dir.glob("checksums.process_*.json"):
+    manifest.unlink()
+  checkpoints.integrity.seal(epath.Path(step_dir), 0, 1)
+  damaged = _cli_train(workdir, "--config.train.num_steps=12")
+  assert damaged.returncode == 0, damaged.stderr[-3000:]
+  lines = [l for l in damaged.stderr.splitlines() if not l.startswith("train:")]
+  assert len(lines) <= 4 and "Traceback" not in damaged.stderr, damaged.stderr[-3000:]
+  assert "step 10" in lines[0] and "falling back" in lines[0], lines

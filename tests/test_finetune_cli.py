@@ -196,8 +196,10 @@ def test_finetune_signal_saves_exits_128_plus_signal_and_resumes(signum, tmp_pat
   proc.send_signal(signum)
   out, err = proc.communicate(timeout=300)
   assert proc.returncode == 128 + signum, err[-3000:]
-  assert "Traceback" not in err and "stopped at step" in out, (out, err[-3000:])
-  stopped_at = int(re.search(r"stopped at step (\d+)", out).group(1))
+  name = signal.Signals(signum).name
+  assert "Traceback" not in err and f"stopped by {name} at step" in out, (out, err[-3000:])
+  stopped_at = int(re.search(r"stopped by \w+ at step (\d+)", out).group(1))
+  assert f"exit {128 + signum}: rerun the same command" in out, out
   assert 1 <= stopped_at < 300 and not os.path.exists(os.path.join(cut, "final_metrics.json"))
   assert _finetune(cut, task_dir, *args) == 0
   losses = lambda d: [(r["step"], r["loss"]) for r in read_jsonl(

@@ -41,6 +41,7 @@ from t5x_like import fs
 from t5x_like.errors import UserError
 from t5x_like.train import checkpoint_integrity as integrity
 from t5x_like.train import checkpoint_space as space
+from t5x_like.train.read_leftovers import quiet_read_leftovers
 from t5x_like.train.checkpoint_integrity import (  # noqa: F401  (the public names)
     COMMIT_MARKER, EXTRA, STATE, TMP_MARKER, CheckpointDirectoryError, CorruptCheckpointError,
     PartialCheckpointError)
@@ -136,6 +137,14 @@ class Checkpointer:
         self._settle()
     return bool(started)
 
+  def poll(self) -> None:
+    """Raises an asynchronous save's failure once it has ended, not at the next save.
+    One process only: settling is collective and hosts end at different moments (a
+    multi-host run learns it at its next save)."""
+    if (self._sealing is not None and jax.process_count() == 1
+        and not self._sealing.running()):
+      self._settle()
+
   def wait(self) -> None:
     """Blocks until every started save is committed and sealed (raises its failure)."""
     self._settle()
@@ -173,19 +182,21 @@ class Checkpointer:
     step = int(step)
     path = self.directory / str(step)
     integrity.verify(path)  # before orbax reads a byte; raises the same on every host
-    restored, error, mismatch = None, None, None
+    quiet_read_leftovers()  # orbax reads follow
+    restored, error = None, None
+    mismatch = self._mismatch(path, abstract_state)  # from the metadata: no array read
     # The item handlers directly, not the manager: its restore ends in a barrier that a
     # host whose read failed would skip, deadlocking the others. Here every host reaches
-    # the one agreement below whatever happened.
-    try:
-      restored = Restored(
-          step,
-          self._state_handler.restore(path / STATE,
-                                      args=ocp.args.StandardRestore(abstract_state)),
-          self._extra_handler.restore(path / EXTRA, args=ocp.args.JsonRestore()))
-    except Exception as e:  # noqa: BLE001  (any read failure means: not usable)
-      error = _describe(e)
-      mismatch = self._mismatch(path, abstract_state)
+    # the agreements below whatever happened.
+    if not _max_over_hosts(int(mismatch is not None)):
+      try:
+        restored = Restored(
+            step,
+            self._state_handler.restore(path / STATE,
+                                        args=ocp.args.StandardRestore(abstract_state)),
+            self._extra_handler.restore(path / EXTRA, args=ocp.args.JsonRestore()))
+      except Exception as e:  # noqa: BLE001  (any read failure means: not usable)
+        error = _describe(e)
     outcome = _max_over_hosts(2 if mismatch else 1 if error else 0)
     if outcome == 2:
       raise IncompatibleCheckpointError(
@@ -338,6 +349,9 @@ class _Sealing:
       self._thread.start()
     else:
       self._run()
+
+  def running(self) -> bool:
+    return self._thread is not None and self._thread.is_alive()
 
   def join(self) -> Optional[BaseException]:
     if self._thread is not None:

@@ -20,6 +20,7 @@ from etils import epath
 from t5x_like import fs, parallel
 from t5x_like.train import checkpoint_integrity as integrity
 from t5x_like.train.checkpoint_integrity import STATE
+from t5x_like.train.read_leftovers import quiet_read_leftovers
 from t5x_like.train.checkpoints import (CheckpointNotFoundError, IncompatibleCheckpointError,
                                         saved_shapes, wanted_shapes)
 from t5x_like.experiment import build_model_from_config, config_vocab
@@ -87,6 +88,7 @@ def restore_params(path, abstract_params: Any, step: Optional[int] = None
   """
   directory = find_checkpoint(path, step)
   integrity.verify(directory)
+  quiet_read_leftovers()  # orbax reads follow, of metadata first
   target = {"params": abstract_params}
   handler = ocp.PyTreeCheckpointHandler()
   try:

@@ -138,6 +138,7 @@ def run_steps(loop: StepLoop, state, step: int, until_step: int):
   while step < until_step:
     state, metrics = loop.train_step(state, next(loop.batches), loop.rng)
     step += 1
+    checkpointer.poll()  # a save that failed in the background stops the run now
     interval_steps += 1
     at_end = step == until_step
     at_checkpoint = bool(loop.checkpoint_every and step % loop.checkpoint_every == 0)
