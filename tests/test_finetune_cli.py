@@ -52,6 +52,11 @@ def bert_workdir(tmp_path_factory, task_dir):
   return workdir
 
 
+# BERT's own classifier, [CLS] through the pooler (the book config mean-pools instead):
+# the tests of what initialises the pooler ask for it.
+BERT_HEAD = ("--config.task.pooling=cls", "--config.task.pooler=True")
+
+
 def _finetune(workdir, task_dir, *overrides, variant="bert,smoke"):
   return cli.main(["finetune", f"--config={CONFIG}:{variant},dir={task_dir}",
                    f"--workdir={workdir}", f"--config.init.config={BERT_CPU}:smoke"
@@ -144,7 +149,7 @@ def test_finetune_starts_from_the_pretrained_checkpoint(tmp_path, task_dir,
   # Learning rate 0: the saved backbone is the one the run started from.
   frozen = ("--config.train.num_steps=2", "--config.optimizer.learning_rate=0.0",
             "--config.optimizer.warmup_steps=0")
-  assert _finetune(str(tmp_path / "pre"), task_dir, *frozen,
+  assert _finetune(str(tmp_path / "pre"), task_dir, *frozen, *BERT_HEAD,
                    f"--config.init.checkpoint={bert_workdir}") == 0
   assert "checkpoint step 6" in capsys.readouterr().out
   pretrained = _saved_params(bert_workdir)
@@ -311,7 +316,7 @@ def test_finetune_from_a_hugging_face_bert_with_its_vocab_txt(tmp_path, task_dir
                    f"--workdir={tmp_path / 'ft'}", "--config.init.config=",
                    f"--config.init.hf={hf_dir}", "--config.train.num_steps=2",
                    "--config.optimizer.learning_rate=0.0",
-                   "--config.optimizer.warmup_steps=0"]) == 0
+                   "--config.optimizer.warmup_steps=0", *BERT_HEAD]) == 0
   assert f"Hugging Face checkpoint {hf_dir}" in capsys.readouterr().out
   tuned = _saved_params(str(tmp_path / "ft"))
   torch_weights = dict(model.state_dict())
