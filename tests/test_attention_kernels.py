@@ -115,16 +115,41 @@ def test_bfloat16_within_rounding(impl):
     _compare(impl, "causal_packing", jnp.bfloat16, 3e-2)
 
 
+def _np_mix(x):
+  """MurmurHash3's fmix32 in numpy uint32 (written here from the reference, not imported)."""
+  x = x ^ (x >> np.uint32(16))
+  x = x * np.uint32(0x85EBCA6B)
+  x = x ^ (x >> np.uint32(13))
+  x = x * np.uint32(0xC2B2AE35)
+  return x ^ (x >> np.uint32(16))
+
+
+def _np_keep(key, rate, shape, offsets=(0, 0)):
+  """The documented mask (models/dropout_hash.py's docstring): probability (b, h, q, k) is
+  kept iff the top 24 bits of the hash chain of (seeds, b, h, q, k) are below
+  round((1 - rate) 2^24); seeds = jax.random.bits(key, (2,), uint32)."""
+  s0, s1 = np.asarray(jax.random.bits(key, (2,), jnp.uint32))
+  b, h, q, k = np.meshgrid(*[np.arange(n, dtype=np.uint32) for n in shape], indexing="ij")
+  b, h = b + np.uint32(offsets[0]), h + np.uint32(offsets[1])
+  with np.errstate(over="ignore"):
+    x = _np_mix(s0 ^ _np_mix(s1 + np.uint32(0x9E3779B9)))
+    x = _np_mix(x ^ (b * np.uint32(0x27D4EB2F)))
+    x = _np_mix(x ^ (h * np.uint32(0x165667B1)))
+    x = _np_mix(x ^ (q * np.uint32(0x9E3779B1)))
+    x = _np_mix(x ^ (k * np.uint32(0x85EBCA77)))
+  return (x >> np.uint32(8)) < np.uint32(round((1 - rate) * 2 ** 24))
+
+
 def test_explicit_dropout_follows_its_key_and_its_rate():
-  """Dropout by rate and key == the fixed-mask reference with the mask the kernel
-  draws (bernoulli(key, 1 - rate, [B, N, T, S]) / (1 - rate)); over many rows the dropped
-  fraction is the rate (4 sigma) and the output is unbiased."""
+  """Dropout by rate and key == the fixed-mask reference with the documented hashed mask
+  (a numpy reimplementation); over many rows the dropped fraction is the rate (4 sigma)
+  and the output is unbiased; another key draws another mask."""
   q, k, v, bias, _ = _inputs(kv_heads=N, seed=3)
   spec = _masks(None)["padding"]
   rate, key = 0.25, jax.random.key(7)
   out = attend(q, k, v, bias=bias, mask=spec, scale=H ** -0.5, dropout_rate=rate,
                dropout_rng=key, impl="explicit")
-  keep = jax.random.bernoulli(key, 1 - rate, (B, N, T, T)) / (1 - rate)
+  keep = _np_keep(key, rate, (B, N, T, T)) / (1 - rate)
   want = reference(q, k, v, bias, spec.dense(), H ** -0.5, keep=keep)
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5)
   # statistics: v = one-hot key index, so out[b, t, n, s] = probs * keep for each key s
@@ -145,6 +170,70 @@ def test_explicit_dropout_follows_its_key_and_its_rate():
   assert np.abs(np.asarray(again) - np.asarray(out)).max() > 1e-3
 
 
+# Meshes of the 8 fake CPU devices: pure data parallel, FSDP, tensor parallel.
+MESHES = {"data": dict(data=8, fsdp=1, tensor=1), "fsdp": dict(data=2, fsdp=4, tensor=1),
+          "tensor": dict(data=2, fsdp=1, tensor=4)}
+
+
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+@pytest.mark.parametrize("rate", [0.0, 0.2])
+def test_sharded_pallas_equals_explicit(mesh_name, rate):
+  """Under jit on an 8-device mesh (the step's own set-up: mesh and logical rules), the
+  Pallas kernel in shard_map gives the explicit kernel's output and gradients of q, k,
+  v and a T5-style [1, N, T, S] bias, dropout included: each shard draws the global
+  (batch, head) rows of the one mask. Packed, padded causal rows; GQA (2 key/value
+  heads for 4 query heads, repeated only where heads are split over 'tensor')."""
+  from t5x_like import parallel  # noqa: PLC0415
+  batch = 8
+  rng = np.random.RandomState(5)
+  q = rng.randn(batch, T, N, H).astype(np.float32)
+  k, v = (rng.randn(batch, T, 2, H).astype(np.float32) for _ in range(2))
+  bias = rng.randn(1, N, T, T).astype(np.float32)
+  cot = rng.randn(batch, T, N, H).astype(np.float32)
+  segments = np.where(np.arange(T)[None] < rng.randint(40, 100, (batch, 1)), 1, 2)
+  valid = np.arange(T)[None] < rng.randint(100, T + 1, (batch, 1))
+  spec = mask_spec(jnp.asarray(valid), query_segment_BxQ=jnp.asarray(segments, jnp.int32),
+                   key_segment_BxK=jnp.asarray(segments, jnp.int32), causal=True)
+  key = jax.random.key(11)
+  mesh = parallel.make_mesh(MESHES[mesh_name])
+
+  def run(impl):
+    def loss(q, k, v, bias):
+      out = attend(q, k, v, bias=bias, mask=spec, scale=H ** -0.5, dropout_rate=rate,
+                   dropout_rng=key if rate else None, impl=impl)
+      return jnp.sum(out * cot), out
+    with parallel.mesh_rules(mesh), record_kernels() as kernels:
+      (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3),
+                                                   has_aux=True))(q, k, v, bias)
+    assert {e["kernel"] for e in kernels.values()} == {impl}, kernels
+    return [np.asarray(x) for x in (out, *grads)]
+
+  want = run("explicit")
+  with pallas_interpret():
+    got = run("pallas")
+  for name, g, w in zip(("out", "dq", "dk", "dv", "dbias"), got, want):
+    err = np.abs(g - w).max() / np.abs(w).max()
+    assert err <= 2e-5, f"{mesh_name} rate {rate}: {name} off by {err:.2e}"
+
+
+def test_kernel_follows_the_mesh_platform_not_the_host():
+  """Traced under a mesh of TPU devices (an abstract one: compiling for a slice from this
+  CPU host), 'auto' picks the TPU kernel; under a CPU mesh, the CPU one."""
+  from jax._src.mesh import AbstractDevice  # noqa: PLC0415
+  from jax.sharding import AbstractMesh, AxisType  # noqa: PLC0415
+  auto = (AxisType.Auto,)
+  picked = {}
+  for platform in ("tpu", "cpu"):
+    mesh = AbstractMesh((4,), ("data",), axis_types=auto,
+                        abstract_device=AbstractDevice("TPU v5 lite" if platform == "tpu"
+                                                       else "cpu", 1, platform))
+    with jax.sharding.use_abstract_mesh(mesh), record_kernels() as kernels:
+      jax.eval_shape(lambda x: attend(x, x, x, scale=0.1, impl="auto", name="a"),
+                     jax.ShapeDtypeStruct((4, 128, N, H), jnp.bfloat16))
+    picked[platform] = kernels["a"]["kernel"]
+  assert picked == {"tpu": "pallas", "cpu": "explicit"}, picked
+
+
 @pytest.mark.parametrize("backend, dtype, dropout, length, want", [
     ("cpu", jnp.bfloat16, False, 512, "explicit"),
     ("cpu", jnp.float32, True, 512, "explicit"),
@@ -153,7 +242,7 @@ def test_explicit_dropout_follows_its_key_and_its_rate():
     ("gpu", jnp.bfloat16, True, 512, "explicit"),  # dropout from the step's key
     ("tpu", jnp.bfloat16, False, 512, "pallas"),
     ("tpu", jnp.bfloat16, False, 114, "explicit"),  # not a multiple of the 128 block
-    ("tpu", jnp.bfloat16, True, 512, "explicit"),
+    ("tpu", jnp.bfloat16, True, 512, "pallas"),  # dropout inside the kernel
 ])
 def test_auto_picks_per_backend(backend, dtype, dropout, length, want):
   choice = choose_kernel("auto", backend=backend, dtype=dtype, head_dim=64, q_len=length,
@@ -166,7 +255,6 @@ def test_auto_picks_per_backend(backend, dtype, dropout, length, want):
     ("cudnn", "cpu", jnp.bfloat16, False, "needs a GPU"),
     ("cudnn", "gpu", jnp.float32, False, "bfloat16 or float16"),
     ("pallas", "cpu", jnp.bfloat16, False, "needs a TPU"),
-    ("pallas", "tpu", jnp.bfloat16, True, "cannot apply attention dropout"),
     ("xla", "gpu", jnp.bfloat16, True, "cannot apply attention dropout"),
 ])
 def test_configured_kernel_that_cannot_run_says_why(impl, backend, dtype, dropout, message):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from t5x_like.errors import NonFiniteLossError
+from t5x_like.models.attention_kernels import PALLAS_INTERPRET_ENV
 from t5x_like.train import loop
 from t5x_like.train.metrics import read_jsonl
 
@@ -76,23 +77,35 @@ def _wait_for_step(workdir: str, proc: subprocess.Popen, step: int, timeout=300,
 
 
 # ---------------------------------------------------------------- exact resume
+# BERT through the Pallas kernel (Pallas interpret mode on CPU) with attention dropout
+# 0.1 drawn inside the kernel: a resumed run redraws the same masks.
+PALLAS_DROPOUT = ("--config.model.attention_impl=pallas", "--config.data.length=128",
+                  "--config.model.overrides.max_position_embeddings=128",
+                  "--config.model.overrides.attention_dropout_rate=0.1")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["bert_cpu.py:smoke", "t5_cpu.py:smoke"])
-def test_sigkill_and_resume_reproduce_every_loss_bit_for_bit(config, tmp_path):
+@pytest.mark.parametrize("config, extra", [("bert_cpu.py:smoke", ()), ("t5_cpu.py:smoke", ()),
+                                           ("bert_cpu.py:smoke", PALLAS_DROPOUT)],
+                         ids=["bert", "t5", "bert-pallas-dropout"])
+def test_sigkill_and_resume_reproduce_every_loss_bit_for_bit(config, extra, tmp_path,
+                                                             monkeypatch):
+  if extra:
+    monkeypatch.setenv(PALLAS_INTERPRET_ENV, "1")
   full = str(tmp_path / "full")
-  done = _run(_train_command(config, full))
+  done = _run(_train_command(config, full, *extra))
   assert done.returncode == 0, done.stderr[-3000:]
   expected = _losses(full)
   assert sorted(expected) == list(range(1, 21))
 
   killed = str(tmp_path / "killed")
   kill_at = int(np.random.default_rng(abs(hash(config)) % 2**32).integers(7, 15))
-  proc = subprocess.Popen(_train_command(config, killed), env=_env(), cwd=ROOT,
+  proc = subprocess.Popen(_train_command(config, killed, *extra), env=_env(), cwd=ROOT,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   _wait_for_step(killed, proc, kill_at, checkpoint=True)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
-  resumed = _run(_train_command(config, killed))
+  resumed = _run(_train_command(config, killed, *extra))
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "resumed from step" in resumed.stdout + resumed.stderr
   got = _losses(killed)

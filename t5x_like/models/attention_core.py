@@ -9,17 +9,23 @@ Kernels (config.attention_impl; attention_kernels.py holds the fused ones):
   upcasts the backward matmuls to float32, and XLA's generic attention lowering is slow
   on CPU. Softmax and its gradient run in float32; the probabilities are kept for the
   backward pass in the compute dtype ([B, N, T, S]). Dropout multiplies the
-  probabilities by a Bernoulli mask drawn from the step's dropout key. Any mask, bias,
-  dropout; the reference the others are tested against.
+  probabilities by a mask hashed from the step's dropout key and each probability's
+  global (batch, head, query, key) index (dropout_hash.py), the mask the Pallas kernel
+  draws block by block. Any mask, bias, dropout; the reference the others are tested
+  against.
 - "xla": jax.nn.dot_product_attention's XLA lowering. No dropout.
 - "cudnn": cuDNN flash attention (GPU, bf16/fp16): a causal flag instead of a mask where
   the mask is only causal, a [B, 1, T, S] mask otherwise, a bias with its gradient, and
   dropout inside the kernel (its mask comes from cuDNN's generator, not from the dropout
   key: a resumed run does not redraw the same masks).
-- "pallas": the Pallas flash-attention kernel for TPU (segment ids and a causal flag
-  for the mask, a bias with its gradient; no dropout); on CPU it runs in Pallas
+- "pallas": our Pallas flash-attention kernel for TPU (pallas_flash.py) inside
+  shard_map over the mesh: segment ids, causal and prefix-LM flags for the mask, a bias
+  [1 or B, N, T, S] with its gradient read block by block, and dropout drawn inside
+  the kernel from the same hash as the explicit kernel's; on CPU it runs in Pallas
   interpret mode inside `pallas_interpret()` (tests).
-"auto" picks per backend and call (choose_kernel); `record_kernels()` collects each
+"auto" picks per platform and call (choose_kernel). The platform is the one the step is
+compiled for: the devices of the mesh being traced under (a TPU slice compiled from a
+CPU host picks TPU kernels), else jax.default_backend(). `record_kernels()` collects each
 attention's choice and the reason for it while a model is traced (bench model prints it).
 """
 
@@ -35,7 +41,7 @@ import jax.numpy as jnp
 
 Array = jax.Array
 
-from t5x_like.models import attention_kernels
+from t5x_like.models import attention_kernels, dropout_hash
 from t5x_like.models.config import ATTENTION_IMPLS as IMPLS
 from t5x_like.models.masks import MaskSpec
 
@@ -143,9 +149,6 @@ def choose_kernel(impl: str, *, backend: str, dtype, head_dim: int, q_len: int, 
   if impl == "pallas":
     if pallas_why:
       raise ValueError(f"attention_impl='pallas': {pallas_why}")
-    if dropout:
-      raise ValueError("attention_impl='pallas' cannot apply attention dropout; use"
-                       " 'explicit' or 'auto'")
     return KernelChoice("pallas", "configured")
   # auto
   if backend == "gpu":
@@ -157,10 +160,9 @@ def choose_kernel(impl: str, *, backend: str, dtype, head_dim: int, q_len: int, 
       return KernelChoice("cudnn", "GPU: cuDNN flash attention")
     return KernelChoice("xla", f"GPU without cuDNN flash attention ({cudnn_why})")
   if backend == "tpu" or interpret:
-    if dropout:
-      return KernelChoice("explicit", "attention dropout: the Pallas kernel has none")
     if not pallas_why:
-      return KernelChoice("pallas", "TPU: Pallas flash attention")
+      return KernelChoice("pallas", "TPU: Pallas flash attention" +
+                          (" with its fused dropout" if dropout else ""))
     return KernelChoice("explicit", f"TPU without the Pallas kernel ({pallas_why})")
   return KernelChoice("explicit", f"{backend}: the explicit kernel (16-bit products)")
 
@@ -186,6 +188,15 @@ def _record(name: str, choice: KernelChoice) -> None:
     entry["traced_calls"] += 1
 
 
+def kernel_platform() -> str:
+  """The platform the traced step will run on: the mesh's devices' (jax.set_mesh or the
+  abstract mesh the step builders trace under), else jax.default_backend()."""
+  mesh = jax.sharding.get_abstract_mesh()
+  device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+  platform = getattr(device, "platform", None)
+  return platform or jax.default_backend()
+
+
 # ------------------------------------------------------------------------- attend
 def attend(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, *,
            bias: Optional[Array] = None, mask: Union[Array, MaskSpec, None] = None,
@@ -204,7 +215,7 @@ def attend(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, *,
   b, t, n, h = q_BxTxNxH.shape
   s = k_BxSxKxH.shape[1]
   dropout = keep is not None or (dropout_rate > 0.0 and dropout_rng is not None)
-  choice = choose_kernel(impl, backend=jax.default_backend(), dtype=dtype, head_dim=h,
+  choice = choose_kernel(impl, backend=kernel_platform(), dtype=dtype, head_dim=h,
                          q_len=t, kv_len=s, dropout=dropout)
   if keep is not None and choice.kernel != "explicit":
     raise ValueError("attend: an explicit dropout multiplier `keep` needs impl='explicit'")
@@ -214,8 +225,9 @@ def attend(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, *,
         q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias=bias, mask=mask, scale=scale,
         dropout_rate=dropout_rate if dropout else 0.0)
   if choice.kernel == "pallas":
-    return attention_kernels.pallas_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias=bias,
-                                              mask=mask, scale=scale)
+    return attention_kernels.pallas_attention(
+        q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias=bias, mask=mask, scale=scale,
+        dropout_rate=dropout_rate if dropout else 0.0, dropout_rng=dropout_rng)
   dense = mask.dense() if isinstance(mask, MaskSpec) else mask
   if choice.kernel == "xla":
     return jax.nn.dot_product_attention(
@@ -224,6 +236,7 @@ def attend(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, *,
   if dense is not None:
     dense = dense.astype(bool)
   if keep is None and dropout:
-    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, (b, n, t, s))
+    keep = dropout_hash.keep_mask(dropout_hash.dropout_seeds(dropout_rng), dropout_rate,
+                                  batch=b, heads=n, q_len=t, kv_len=s)
     keep = keep.astype(dtype) / jnp.asarray(1.0 - dropout_rate, dtype)
   return _explicit(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias, dense, keep, scale)

@@ -1,7 +1,7 @@
 """Fused attention kernels behind attention_core.attend: cuDNN (GPU) and Pallas (TPU).
 
   out_BxTxNxH = cudnn_attention(q, k, v, bias=, mask=, scale=, dropout_rate=)
-  out_BxTxNxH = pallas_attention(q, k, v, bias=, mask=, scale=)
+  out_BxTxNxH = pallas_attention(q, k, v, bias=, mask=, scale=, dropout_rate=, dropout_rng=)
   with pallas_interpret(): ...   # the Pallas kernel on CPU, in interpret mode (tests)
 
 q [B, T, N, H]; k, v [B, S, K, H] (K divides N); bias [1 or B, N, T, S]; mask a boolean
@@ -16,17 +16,24 @@ bias is broadcast and masked in float32 and cast to the compute dtype at the ker
 input, so its gradient is summed back over the batch and the relative-position
 buckets in float32.
 
-Pallas: jax.experimental.pallas.ops.tpu.flash_attention (flash attention, Dao et al.
-2022). Masks travel as segment ids (padding keys get a segment no query has) plus its
-causal flag; a prefix-LM mask or a dense mask becomes a [B, N, T, S] additive bias.
-Key/value heads are repeated for GQA. The kernel scales the sum of the logits and its
-bias, so q is scaled before it instead. The kernel's blocks are 128 long: T and S must
-be multiples of 128.
+Pallas: our flash-attention kernel (pallas_flash.py; flash attention, Dao et al. 2022)
+inside jax.shard_map over the traced step's mesh, since XLA cannot partition a Mosaic
+kernel: batch over the mesh axes of the 'batch' rule, heads over those of 'heads'
+(tensor). Masks travel as segment ids (padding keys get a segment no query has), a
+causal flag and prefix-LM flags; a bias [1 or B, N, T, S] is read block by block
+(T5's batch-1 bias is never broadcast over the batch); a dense boolean mask is folded
+into a bias. Dropout is drawn inside the kernel from dropout_hash.py with each shard's
+global batch and head offsets: the explicit kernel's mask. The kernel computes
+softmax(q k^T + bias), so q is scaled before it. Blocks are 128 long: T and S must be
+multiples of 128. `pallas_interpret()` (or T5X_LIKE_PALLAS_INTERPRET=1 in the
+environment, for a trainer in a subprocess) runs it in interpret mode on any backend.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 from typing import Iterator, Optional, Union
 
 import jax
@@ -91,18 +98,22 @@ def cudnn_attention(q: Array, k: Array, v: Array, *, bias: Optional[Array],
 @contextlib.contextmanager
 def pallas_interpret() -> Iterator[None]:
   """Runs the Pallas kernel in interpret mode (any backend) inside; 'auto' then picks
-  it as on a TPU."""
-  from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
+  it as on a TPU. This is Pallas' generic interpreter (ordinary HLO), not its TPU
+  interpret mode, whose cross-device barriers deadlock a multi-device CPU mesh with
+  fewer threads than devices."""
   _INTERPRET.append(True)
   try:
-    with pltpu.force_tpu_interpret_mode():
-      yield
+    yield
   finally:
     _INTERPRET.pop()
 
 
+PALLAS_INTERPRET_ENV = "T5X_LIKE_PALLAS_INTERPRET"
+
+
 def pallas_interpreting() -> bool:
-  return bool(_INTERPRET)
+  """Inside pallas_interpret(), or with T5X_LIKE_PALLAS_INTERPRET=1 set."""
+  return bool(_INTERPRET) or os.environ.get(PALLAS_INTERPRET_ENV) == "1"
 
 
 def pallas_unsupported(backend: str, q_len: int, kv_len: int, head_dim: int,
@@ -118,40 +129,116 @@ def pallas_unsupported(backend: str, q_len: int, kv_len: int, head_dim: int,
   return ""
 
 
+def _mesh_axes(spec_entry) -> tuple[str, ...]:
+  if spec_entry is None:
+    return ()
+  return (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
+
+
+def _shard_axes(mesh, rules_axes: tuple[str, ...], size: int) -> tuple[str, ...]:
+  """The mesh axes of a logical dim that split `size` evenly (else none: replicated)."""
+  axes = tuple(a for a in rules_axes if mesh.shape[a] > 1)
+  ways = 1
+  for a in axes:
+    ways *= mesh.shape[a]
+  return axes if axes and size % ways == 0 else ()
+
+
+def _sharding_plan(b: int, n: int, kv_heads: int):
+  """(mesh, batch axes, head axes, kv-head axes) of the traced step's mesh and the
+  active logical rules, or None without a mesh (or a mesh of one device)."""
+  import flax.linen as nn  # noqa: PLC0415
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return None
+  spec = nn.logical_to_mesh_axes(("batch", "length", "heads", "kv"))
+  batch_axes = _shard_axes(mesh, _mesh_axes(spec[0]), b)
+  head_axes = _shard_axes(mesh, _mesh_axes(spec[2]), n)
+  kv_spec = nn.logical_to_mesh_axes(("batch", "length",
+                                     "heads" if kv_heads == n else "kv_heads", "kv"))
+  kv_axes = _shard_axes(mesh, _mesh_axes(kv_spec[2]), kv_heads)
+  return mesh, batch_axes, head_axes, kv_axes
+
+
+def _part(axes: tuple[str, ...]):
+  return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+
 def pallas_attention(q: Array, k: Array, v: Array, *, bias: Optional[Array],
-                     mask: Union[Array, MaskSpec, None], scale: float) -> Array:
-  """[B, T, N, H] through the Pallas TPU flash-attention kernel (module docstring)."""
-  from jax.experimental.pallas.ops.tpu import flash_attention as fa  # noqa: PLC0415
+                     mask: Union[Array, MaskSpec, None], scale: float,
+                     dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None) -> Array:
+  """[B, T, N, H] through our Pallas flash-attention kernel (pallas_flash.py), inside
+  shard_map over the traced step's mesh: batch over its batch axes, heads over its
+  tensor axis (the logical rules of 'batch' and 'heads'), so a Mosaic kernel, which XLA
+  cannot partition, runs per shard. Each shard passes its global batch and head offsets
+  so that dropout draws the global (b, h, q, k) mask.
+  """
+  from t5x_like.models import dropout_hash, pallas_flash  # noqa: PLC0415
   b, t, n, _ = q.shape
   s, kv_heads = k.shape[1], k.shape[2]
-  if kv_heads != n:
-    k, v = jnp.repeat(k, n // kv_heads, axis=2), jnp.repeat(v, n // kv_heads, axis=2)
-  causal, segments, dense = False, None, None
-  if isinstance(mask, MaskSpec) and mask.prefix is None:
-    causal = mask.causal
-    if mask.key_valid is not None or mask.q_segments is not None:
-      q_seg = mask.q_segments if mask.q_segments is not None else jnp.ones((b, t), jnp.int32)
-      kv_seg = (mask.kv_segments if mask.kv_segments is not None
-                else jnp.ones((b, s), jnp.int32))
-      kv_seg = jnp.where(mask.key_valid_or_ones(), kv_seg, -1)
-      segments = fa.SegmentIds(q=q_seg.astype(jnp.int32), kv=kv_seg.astype(jnp.int32))
-  elif mask is not None:
+  causal = False
+  q_seg = kv_seg = prefix = None
+  if isinstance(mask, MaskSpec) or mask is None:
+    if mask is not None:
+      causal = mask.causal
+      if mask.key_valid is not None or mask.q_segments is not None:
+        q_seg = (mask.q_segments if mask.q_segments is not None
+                 else jnp.ones((b, t), jnp.int32)).astype(jnp.int32)
+        kv_seg = (mask.kv_segments if mask.kv_segments is not None
+                  else jnp.ones((b, s), jnp.int32)).astype(jnp.int32)
+        # Padding keys get a segment no query has.
+        kv_seg = jnp.where(mask.key_valid_or_ones(), kv_seg, -1)
+      if mask.prefix is not None:
+        prefix = mask.prefix.astype(bool)
+  else:  # a dense mask: folded into a [B, N, T, S] bias (no structure to exploit)
     dense = _dense(mask, (b, 1, t, s))
-  ab = None
-  if bias is not None or dense is not None:
-    ab = jnp.zeros((b, n, t, s), jnp.float32)
-    if bias is not None:
-      ab = ab + bias.astype(jnp.float32)
-    if dense is not None:
-      ab = jnp.where(dense, ab, _PALLAS_MASKED)
-  size = _PALLAS_BLOCK
-  blocks = fa.BlockSizes(block_q=size, block_k_major=size, block_k=size, block_b=1,
-                         block_q_major_dkv=size, block_k_major_dkv=size, block_k_dkv=size,
-                         block_q_dkv=size, block_k_major_dq=size, block_k_dq=size,
-                         block_q_dq=size)
-  to_bnth = lambda x: jnp.swapaxes(x, 1, 2)
-  # The kernel scales (q k^T + ab); scaling q first gives q k^T * scale + bias.
+    base = jnp.zeros((1, n, t, s), jnp.float32) if bias is None else bias.astype(jnp.float32)
+    bias = jnp.where(dense, base, _PALLAS_MASKED)
+  dropout = dropout_rate > 0.0 and dropout_rng is not None
+  seeds = (dropout_hash.dropout_seeds(dropout_rng) if dropout
+           else jnp.zeros((2,), jnp.int32))
+  # The kernel computes softmax(q k^T + bias): scaling q first gives q k^T * scale + bias.
   q = q if scale == 1.0 else q * jnp.asarray(scale, q.dtype)
-  out = fa.flash_attention(to_bnth(q), to_bnth(k), to_bnth(v), ab, segments, causal=causal,
-                           sm_scale=1.0, block_sizes=blocks)
-  return to_bnth(out).astype(q.dtype)
+  to_bnth = lambda x: jnp.swapaxes(x, 1, 2)
+  interpret = pallas_interpreting()
+
+  plan = _sharding_plan(b, n, kv_heads)
+  if plan is not None and kv_heads != n and plan[2] != plan[3]:
+    # GQA with query heads split where key/value heads are not: give each shard the
+    # key/value heads of its own query heads (no [T, S]-sized tensor is repeated).
+    k, v = jnp.repeat(k, n // kv_heads, axis=2), jnp.repeat(v, n // kv_heads, axis=2)
+    kv_heads = n
+    plan = plan[:3] + (plan[2],)
+
+  def run(q, k, v, bias, q_seg, kv_seg, prefix, seeds, batch_offset, head_offset):
+    return pallas_flash.flash_attention(
+        to_bnth(q), to_bnth(k), to_bnth(v), bias=bias, q_segments=q_seg,
+        kv_segments=kv_seg, causal=causal, q_prefix=prefix, kv_prefix=prefix,
+        dropout_rate=dropout_rate if dropout else 0.0, dropout_seeds=seeds,
+        batch_offset=batch_offset, head_offset=head_offset, interpret=interpret)
+
+  if plan is None:
+    out = run(q, k, v, bias, q_seg, kv_seg, prefix, seeds, 0, 0)
+    return to_bnth(out).astype(q.dtype)
+
+  mesh, batch_axes, head_axes, kv_axes = plan
+  P = jax.sharding.PartitionSpec
+  bx, hx, kx = _part(batch_axes), _part(head_axes), _part(kv_axes)
+  rows = lambda x: None if x is None else P(bx, None)
+  bias_spec = None if bias is None else P(bx if bias.shape[0] == b else None, hx, None, None)
+  local_b = b // math.prod(mesh.shape[a] for a in batch_axes)
+  local_n = n // math.prod(mesh.shape[a] for a in head_axes)
+
+  def shard(q, k, v, bias, q_seg, kv_seg, prefix, seeds):
+    index = lambda axes: jax.lax.axis_index(axes) if axes else jnp.int32(0)
+    out = run(q, k, v, bias, q_seg, kv_seg, prefix, seeds,
+              index(batch_axes) * local_b, index(head_axes) * local_n)
+    return to_bnth(out)
+
+  out = jax.shard_map(
+      shard, mesh=mesh,
+      in_specs=(P(bx, None, hx, None), P(bx, None, kx, None), P(bx, None, kx, None),
+                bias_spec, rows(q_seg), rows(kv_seg), rows(prefix), P()),
+      out_specs=P(bx, None, hx, None), check_vma=False,
+  )(q, k, v, bias, q_seg, kv_seg, prefix, seeds)
+  return out.astype(q.dtype)

@@ -48,6 +48,8 @@ def main(argv: list[str]) -> int:
   from t5x_like.plan.report import make_plan
   from t5x_like.plan.text import format_plan
   from t5x_like.plan.topology import parse_topology, present_topology
+  from t5x_like.plan.tpu import quiet_backend_init
+  quiet_backend_init()
   dtype = fv.config.model.dtype
   try:
     topologies = ([parse_topology(name, dtype) for name in fv.topology] if fv.topology

@@ -1,11 +1,14 @@
-"""XLA's own view of the train step: compile it (never run it) and read its analyses.
+"""XLA's own view of the train and eval steps: compile them (never run them) and read
+their analyses.
 
   xla = compile_train_step(model, optimizer, schedule, mesh, rules, batch_shapes)
-  xla["memory"]["total_bytes"], xla["flops"]
+  xla["memory"]["total_bytes"], xla["flops"], xla["collectives"], xla["eval"]["memory"]
 
-Uses the trainer's own pieces (abstract_train_state, make_train_step), so what is
-compiled is exactly the step `t5x-like train` runs; only abstract values
-(ShapeDtypeStructs with shardings) go in, so nothing is allocated.
+Uses the trainer's own pieces (abstract_train_state, make_train_step, make_eval_step),
+so what is compiled is exactly what `t5x-like train` runs; only abstract values
+(ShapeDtypeStructs with shardings) go in, so nothing is allocated. The mesh's devices
+may be libtpu's topology devices (plan/tpu.py): then this compiles for a TPU slice on
+a CPU host.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from t5x_like import parallel
+from t5x_like.plan import hlo
 from t5x_like.train.state import abstract_train_state
-from t5x_like.train.step import make_train_step
+from t5x_like.train.step import make_eval_step, make_train_step
 
 
 def _abstract_batch(batch_shapes: Mapping[str, tuple], mesh: Mesh, rules) -> dict:
@@ -51,19 +55,45 @@ def _flops(compiled) -> float:
   return float((cost or {}).get("flops", 0.0))
 
 
+def analyze(compiled, num_devices: int) -> dict[str, Any]:
+  """Memory, FLOPs, collectives and kernels of one compiled program (per device).
+
+  flops_per_device is XLA's cost analysis, which counts a while loop's body once (a
+  scanned layer stack: one layer); flops_corrected_per_device adds the matmul FLOPs of
+  the loops' other iterations, from the optimized HLO (hlo.summarize).
+  """
+  summary = hlo.summarize(hlo.parse_module(compiled.as_text()))
+  per_device = _flops(compiled)
+  corrected = per_device + summary["matmul_flops"] - summary["matmul_flops_once"]
+  return {"memory": xla_memory(compiled), "flops_per_device": per_device,
+          "flops": per_device * num_devices,
+          "matmul_flops_per_device": summary["matmul_flops"],
+          "flops_corrected_per_device": corrected, "flops_corrected": corrected * num_devices,
+          "collectives": summary["collectives"], "kernels": summary["kernels"],
+          "custom_calls": summary["custom_calls"],
+          "loops": [{k: loop[k] for k in ("trip_count", "op_name")}
+                    for loop in summary["loops"]]}
+
+
+def _replicated_key(mesh: Mesh):
+  rng = jax.eval_shape(lambda: jax.random.key(0))
+  return jax.ShapeDtypeStruct(rng.shape, rng.dtype,
+                              sharding=NamedSharding(mesh, PartitionSpec()))
+
+
 def compile_train_step(model, optimizer, schedule, mesh: Mesh, rules,
-                       batch_shapes: Mapping[str, tuple], microbatches: int = 1) -> dict[str, Any]:
-  """{'memory': per-device bytes (see _memory), 'flops_per_device': XLA's count,
-  'flops': that times the devices} of the jitted train step on `mesh` for a global
-  batch of `batch_shapes` (feature -> shape)."""
+                       batch_shapes: Mapping[str, tuple], microbatches: int = 1,
+                       eval_step: bool = False) -> dict[str, Any]:
+  """analyze() of the jitted train step on `mesh` for a global batch of `batch_shapes`
+  (feature -> shape); with eval_step, the eval step's under 'eval'."""
   state = abstract_train_state(model, optimizer, mesh, rules, batch_shapes)
   shardings = jax.tree.map(lambda x: x.sharding, state)
+  batch = _abstract_batch(batch_shapes, mesh, rules)
   step = make_train_step(model, optimizer, schedule, microbatches=microbatches, mesh=mesh,
                          rules=rules, state_shardings=shardings, batch_shapes=batch_shapes)
-  rng = jax.eval_shape(lambda: jax.random.key(0))
-  rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype,
-                             sharding=NamedSharding(mesh, PartitionSpec()))
-  compiled = step.lower(state, _abstract_batch(batch_shapes, mesh, rules), rng).compile()
-  per_device = _flops(compiled)
-  return {"memory": xla_memory(compiled), "flops_per_device": per_device,
-          "flops": per_device * mesh.size}
+  out = analyze(step.lower(state, batch, _replicated_key(mesh)).compile(), mesh.size)
+  if eval_step:
+    evaluate = make_eval_step(model, mesh=mesh, rules=rules, state_shardings=shardings,
+                              batch_shapes=batch_shapes)
+    out["eval"] = analyze(evaluate.lower(state.params, batch).compile(), mesh.size)
+  return out

@@ -5,8 +5,9 @@
 Per config: the model, its parameters by group with their shardings, and the mesh.
 Per phase (config.train.phases, else one): batch shapes, FLOPs per step
 (train/flops.py), step time and wall-clock at the assumed MFU, the per-device memory
-estimate (memory.py) and whether it fits; where the topology's devices are present,
-XLA's memory and cost analyses of the compiled train step beside them.
+estimate (memory.py) and whether it fits; where the topology's devices are present
+(or, with compile_step='yes', a TPU slice libtpu can describe), XLA's analyses of the
+compiled train and eval steps beside them: memory, FLOPs, collectives, fused kernels.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from t5x_like.plan import compiled as compiled_lib
 from t5x_like.plan.memory import estimate_memory, per_device_batch_shapes
 from t5x_like.plan.params import param_table, spec_str
 from t5x_like.plan.shapes import Phase, model_vocab_size, plan_phases
+from t5x_like.plan import tpu as tpu_lib
 from t5x_like.plan.topology import Topology, planned_mesh
 from t5x_like.train import flops as flops_lib
 from t5x_like.train.config_check import validate
@@ -45,6 +47,7 @@ def _model_json(config, model) -> dict:
 def _topology_json(topology: Topology) -> dict:
   return {"name": topology.name, "platform": topology.platform,
           "device_kind": topology.device_kind, "num_devices": topology.num_devices,
+          "num_slices": topology.num_slices,
           "num_hosts": topology.num_hosts, "peak_flops_per_device": topology.peak_flops,
           "memory_bytes_per_device": topology.memory_bytes}
 
@@ -77,7 +80,8 @@ def _notes(config, table, mesh_shape: dict, batch_size: int, topology: Topology,
                  " model.scan_layers is set; the estimate uses remat 'none' here")
   if compiled and config.model.scan_layers:
     notes.append("with model.scan_layers XLA's cost analysis counts the scanned layer body"
-                 " once, not once per layer, so its FLOPs fall short of the analytic count")
+                 " once, not once per layer, so its FLOPs fall short of the analytic count; the"
+                 " corrected count adds the other layers' matmuls from the HLO")
   return notes
 
 
@@ -110,12 +114,23 @@ def _phase_json(phase: Phase, model, optimizer, schedule, mesh, table, topology:
   }
   if real_mesh is not None:
     xla = compiled_lib.compile_train_step(model, optimizer, schedule, real_mesh, rules,
-                                          phase.batch_shapes, microbatches)
+                                          phase.batch_shapes, microbatches, eval_step=True)
     xla["memory_ratio"] = memory.total / max(xla["memory"]["total_bytes"], 1)
-    xla["flops_ratio"] = xla["flops"] / flops if flops else None
-    xla["fits"] = _fits(xla["memory"]["total_bytes"], topology)
+    _judge(xla, flops, topology)
+    _judge(xla["eval"], flops_lib.forward_flops(model.config, phase.batch_shapes), topology)
     out["xla"] = xla
   return out
+
+
+def _judge(xla: dict, analytic_flops: float, topology: Topology) -> None:
+  """Set the compiled program's fit to the device and its FLOPs over the analytic count."""
+  total = xla["memory"]["total_bytes"]
+  xla["fits"] = _fits(total, topology)
+  xla["headroom_bytes"] = topology.memory_bytes - total if topology.memory_bytes else None
+  xla["analytic_flops"] = analytic_flops
+  xla["flops_ratio"] = xla["flops"] / analytic_flops if analytic_flops else None
+  xla["flops_corrected_ratio"] = (xla["flops_corrected"] / analytic_flops
+                                  if analytic_flops else None)
 
 
 def _tokens(batch_shapes: dict) -> int:
@@ -132,8 +147,10 @@ def make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: flo
               compile_step: str = "auto") -> dict[str, Any]:
   """The plan of `config` on `topology` (see the module docstring).
 
-  compile_step: 'auto' compiles the real train step when the topology's devices are all
-  present, 'yes' insists (ValueError when they are not), 'no' never does.
+  compile_step: 'auto' compiles the real train and eval steps when the topology's devices
+  are all present, 'yes' insists: on a TPU topology without its devices it compiles for
+  libtpu's description of the slice (minutes for a big model; ValueError naming the
+  `tpu` extra when libtpu is missing), elsewhere ValueError; 'no' never compiles.
   """
   if not 0.0 < mfu <= 1.0:
     raise ValueError(f"--mfu={mfu}: must be in (0, 1]")
@@ -143,6 +160,11 @@ def make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: flo
     mesh = planned_mesh(config.mesh, topology.num_devices)
   except ValueError as e:
     raise ValueError(f"topology {topology.name}: {e}") from None
+  dcn = math.prod(int(config.mesh.get(f"dcn_{a}", 1)) for a in parallel.MESH_AXES)
+  if topology.num_slices > 1 and dcn != topology.num_slices:
+    raise ValueError(f"topology {topology.name} has {topology.num_slices} slices but"
+                     f" mesh.dcn_data x mesh.dcn_fsdp x mesh.dcn_tensor = {dcn}: set them"
+                     f" to split the mesh across the slices")
   rules = tuple(config.mesh.rules) or parallel.DEFAULT_RULES
   vocab = config_vocab(config, shapes_only=True)
   validate(config, topology.num_devices, vocab_size=model_vocab_size(config, vocab))
@@ -151,13 +173,16 @@ def make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: flo
   phases = plan_phases(config, vocab)
   table = param_table(model, mesh, rules, phases[0].batch_shapes)
 
-  present = topology.devices_present()
-  if compile_step == "yes" and not present:
+  present = compile_step != "no" and topology.devices_present()
+  devices = None
+  if present:
+    devices = jax.devices(topology.platform)
+  elif compile_step == "yes" and topology.platform == "tpu":
+    devices = tpu_lib.slice_devices(topology)  # deviceless: libtpu's compile targets
+  elif compile_step == "yes":
     raise ValueError(f"cannot compile for {topology.name}: its {topology.num_devices}"
                      f" {topology.device_kind} devices are not all present here")
-  real_mesh = None
-  if compile_step == "yes" or (compile_step == "auto" and present):
-    real_mesh = parallel.mesh_from_config(config.mesh, jax.devices(topology.platform))
+  real_mesh = None if devices is None else parallel.mesh_from_config(config.mesh, devices)
 
   planned = [_phase_json(p, model, optimizer, schedule, mesh, table, topology, mfu, rules,
                          real_mesh) for p in phases]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from t5x_like.plan.hlo import is_kernel_target
+
 _STATE_LABELS = (("params", "params (float32)"), ("opt_state", "optimizer state"),
                  ("batch", "batch (int32)"))
 _BACKWARD_LABELS = (("activations", "activations saved for backward"),
@@ -86,19 +88,70 @@ def _memory(phase: dict, plan: dict) -> list[str]:
   of = f" of {human_bytes(limit)}" if limit else ""
   lines.append(row("total", est["total_bytes"]) + f"{of}: {_fits(phase['fits'])}")
   if xla:
-    m = xla["memory"]
-    lines += [
-        f"  XLA memory analysis of the compiled step, per device:  {'XLA':>11}  {'estimate':>11}",
-        row("arguments (state + batch)", m["argument_bytes"]) +
-        f"  {human_bytes(est['state_bytes']):>11}",
-        row("outputs", m["output_bytes"]),
-        row("aliased (donated state)", m["alias_bytes"]),
-        row("temporaries", m["temp_bytes"]) + f"  {human_bytes(est['temporaries_bytes']):>11}",
-        row("generated code", m["generated_code_bytes"]),
-        row("total (args + out + temp - aliased)", m["total_bytes"]) +
-        f"  {human_bytes(est['total_bytes']):>11}  estimate / XLA ="
-        f" {xla['memory_ratio']:.2f}; XLA's total {_fits(xla['fits'])}",
-    ]
+    lines += _xla_memory(xla, est)
+  return lines
+
+
+def _over(xla: dict) -> str:
+  if xla["headroom_bytes"] is None:
+    return "device memory unknown"
+  if xla["headroom_bytes"] >= 0:
+    return f"fits ({human_bytes(xla['headroom_bytes'])} free)"
+  return f"OVER by {human_bytes(-xla['headroom_bytes'])}"
+
+
+def _xla_memory(xla: dict, est: dict) -> list[str]:
+  """The compiler's memory analysis of the train and eval steps beside the estimate."""
+  ev = xla.get("eval")
+  col = lambda key, n: f"  {human_bytes(n):>11}" if n is not None else f"  {'':>11}"
+  rows = [("arguments (state + batch)", "argument_bytes", est["state_bytes"]),
+          ("outputs", "output_bytes", None), ("aliased (donated state)", "alias_bytes", None),
+          ("temporaries", "temp_bytes", est["temporaries_bytes"]),
+          ("generated code", "generated_code_bytes", None),
+          ("total (args + out + temp - aliased)", "total_bytes", est["total_bytes"])]
+  lines = [f"  XLA memory analysis, per device:{'':<5} {'train step':>11}"
+           + (f"  {'eval step':>11}" if ev else "") + f"  {'estimate':>11}"]
+  for label, key, estimate in rows:
+    lines.append(f"    {label:<34} {human_bytes(xla['memory'][key]):>11}"
+                 + (col(key, ev["memory"][key]) if ev else "") + col(key, estimate))
+  lines.append(f"    estimate / XLA train = {xla['memory_ratio']:.2f}; train step:"
+               f" {_over(xla)}" + (f"; eval step: {_over(ev)}" if ev else ""))
+  return lines
+
+
+def _xla_flops(name: str, x: dict) -> str:
+  loops = [loop["trip_count"] for loop in x.get("loops", [])]
+  corrected = (f"; + the loops' other iterations' matmuls = {x['flops_corrected']:.4g}"
+               f" = {x['flops_corrected_ratio']:.3f} x" if loops else "")
+  return (f"    {name}: XLA {x['flops']:.4g} = {x['flops_ratio']:.3f} x the analytic"
+          f" {x['analytic_flops']:.4g}{corrected}")
+
+
+def _collectives(xla: dict) -> list[str]:
+  steps = [("train", xla)] + ([("eval", xla["eval"])] if xla.get("eval") else [])
+  kinds = sorted({k for _, x in steps for k in x["collectives"]})
+  if not kinds:
+    return ["  collectives per step: none"]
+  lines = ["  collectives per step, per device (count, bytes; loop bodies x trip count):"]
+  for kind in kinds:
+    cells = []
+    for name, x in steps:
+      c = x["collectives"].get(kind)
+      cells.append(f"{name} {c['count']:>4} {human_bytes(c['bytes']):>11}" if c
+                   else f"{name} {0:>4} {'':>11}")
+    lines.append(f"    {kind:<20}" + "   ".join(cells))
+  return lines
+
+
+def _kernels(xla: dict) -> list[str]:
+  lines = []
+  for name, x in [("train", xla)] + ([("eval", xla["eval"])] if xla.get("eval") else []):
+    kernels = ", ".join(f"{k} x{n}" for k, n in sorted(x["kernels"].items())) or "none"
+    others = ", ".join(f"{k} x{n}" for k, n in sorted(x["custom_calls"].items())
+                       if not is_kernel_target(k))
+    loops = ", ".join(str(loop["trip_count"]) for loop in x["loops"]) or "none"
+    lines.append(f"  {name} step: fused kernels per step: {kernels}; while-loop trip"
+                 f" counts: {loops}" + (f"; other custom calls: {others}" if others else ""))
   return lines
 
 
@@ -109,14 +162,19 @@ def _phase(phase: dict, plan: dict) -> list[str]:
            f"  batch: {shapes}",
            f"  FLOPs per step: {phase['flops_per_step']:.4g} ({phase['flops_per_device']:.4g}"
            f" per device; {phase['tokens_per_step']:,} tokens)"]
-  if phase["xla"]:
-    x = phase["xla"]
-    lines.append(f"  XLA cost analysis: {x['flops']:.4g} FLOPs per step"
-                 f" ({x['flops_per_device']:.4g} per device) = {x['flops_ratio']:.3f} x the"
-                 f" analytic count (XLA also counts elementwise ops and remat recompute)")
+  x = phase["xla"]
+  if x:
+    lines.append("  compiled FLOPs per step (all devices; XLA also counts elementwise ops"
+                 " and remat recompute, a while loop's body once; fused kernels' FLOPs are not seen):")
+    lines.append(_xla_flops("train step", x))
+    if x.get("eval"):
+      lines.append(_xla_flops("eval step ", x["eval"]))
   lines.append(f"  at {plan['mfu']:.0%} MFU: {human_seconds(phase['step_seconds'])} per step,"
                f" {human_seconds(phase['seconds'])} for the phase")
-  return lines + _memory(phase, plan)
+  lines += _memory(phase, plan)
+  if x:
+    lines += _collectives(x) + _kernels(x)
+  return lines
 
 
 def format_plan(plan: dict, source: str = "config") -> str:

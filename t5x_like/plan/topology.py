@@ -46,7 +46,7 @@ FAMILIES = {
     "h100": Family("H100", "gpu", 80 * 10**9, 8, 1),
     "cpu": Family("cpu", "cpu", 0, 0, 1),  # memory and peak: of this host, measured
 }
-EXAMPLES = ("v3-32", "v3-128", "v4-64", "v5p-128", "cpu-8")
+EXAMPLES = ("v3-32", "v3-128", "v4-64", "v5p-128", "v5e-16", "2xv5e-16", "cpu-8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +64,7 @@ class Topology:
   num_hosts: int
   peak_flops: float
   memory_bytes: int
+  num_slices: int = 1  # TPU multi-slice ('2xv5e-16'): slices joined by the data-center network
 
   def devices_present(self) -> bool:
     """Whether this process sees exactly these devices (then the step can be compiled)."""
@@ -79,7 +80,8 @@ class Topology:
 def known_topologies() -> str:
   """The accepted name patterns, for error messages and --help."""
   return (f"<family>-<N> with family one of {sorted(FAMILIES)} (N = TensorCores for v2, v3,"
-          f" v4, v5p; chips for v5e, v6e; GPUs for a100, h100; devices for cpu), e.g."
+          f" v4, v5p; chips for v5e, v6e; GPUs for a100, h100; devices for cpu), and K"
+          f" slices of a TPU one as Kx<family>-<N>, e.g."
           f" {', '.join(EXAMPLES)}")
 
 
@@ -98,13 +100,17 @@ def _cpu_peak(num_devices: int, dtype: str) -> float:
 def parse_topology(name: str, dtype: str = "bfloat16") -> Topology:
   """'v3-32' -> Topology(num_devices=32, num_hosts=4, ...); ValueError lists the known ones.
 
-  dtype: the compute dtype, only for a CPU topology (whose peak is measured in it).
+  '2xv5e-16': two v5e-16 slices (32 devices, 8 hosts). dtype: the compute dtype, only
+  for a CPU topology (whose peak is measured in it).
   """
-  match = re.fullmatch(r"([a-z0-9]+)-(\d+)", name.strip().lower())
-  family = FAMILIES.get(match.group(1)) if match else None
+  match = re.fullmatch(r"(?:(\d+)x)?([a-z0-9]+)-(\d+)", name.strip().lower())
+  family = FAMILIES.get(match.group(2)) if match else None
   if family is None:
     raise ValueError(f"unknown topology {name!r}; known: {known_topologies()}")
-  units = int(match.group(2))
+  slices = int(match.group(1) or 1)
+  if slices < 1 or (slices > 1 and family.platform != "tpu"):
+    raise ValueError(f"topology {name!r}: K x<slice> is for TPU slices only")
+  units = int(match.group(3))
   if units < 1 or units % family.cores_per_device:
     raise ValueError(f"topology {name!r}: {units} is not a multiple of"
                      f" {family.cores_per_device} cores per device")
@@ -116,8 +122,8 @@ def parse_topology(name: str, dtype: str = "bfloat16") -> Topology:
   if family.platform == "gpu" and dtype == "float32":
     peak /= 2  # TF32 tensor cores (see peak_flops_per_device)
   hosts = max(1, math.ceil(num_devices / family.devices_per_host))
-  return Topology(name, family.platform, family.device_kind, num_devices, hosts, peak,
-                  family.memory_bytes)
+  return Topology(name, family.platform, family.device_kind, num_devices * slices,
+                  hosts * slices, peak, family.memory_bytes, slices)
 
 
 def present_topology(dtype: str = "bfloat16") -> Topology:

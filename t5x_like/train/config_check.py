@@ -46,7 +46,8 @@ class ConfigError(UserError, ValueError):
 
 def validate(config: ml_collections.ConfigDict, num_devices: Optional[int] = None,
              vocab_size: Optional[int] = None,
-             device_memory_bytes: Optional[int] = None) -> None:
+             device_memory_bytes: Optional[int] = None,
+             platform: Optional[str] = None) -> None:
   """Raises ConfigError for the first problem found.
 
   num_devices: the devices the mesh must fill (default: jax.device_count()).
@@ -54,6 +55,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: Optional[int] = Non
   against the mesh).
   device_memory_bytes: one device's memory (e.g. `local_device_memory()`); a step whose
   activations cannot fit in it is refused. None: not checked.
+  platform: where the step will run (tpu | gpu | cpu), for the attention kernel check;
+  default jax.default_backend() (plan passes the topology's when it compiles for a TPU
+  slice from another host).
   """
   if num_devices is None:
     num_devices = jax.device_count()
@@ -61,7 +65,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: Optional[int] = Non
   _check_finite(config, "")
   if not 0 <= config.seed < 2**31:
     raise ConfigError(f"seed={config.seed}: must be in [0, 2**31)")
-  model_cfg = _check_model(config, vocab_size)
+  model_cfg = _check_model(config, vocab_size, platform or jax.default_backend())
   _check_data(config, model_cfg)
   _check_train(config)
   _check_optimizer(config)
@@ -126,7 +130,7 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
 
 
 # -------------------------------------------------------------------------- model
-def _check_model(config, vocab_size: Optional[int]) -> ModelConfig:
+def _check_model(config, vocab_size: Optional[int], platform: str) -> ModelConfig:
   m = config.model
   _choice("model.preset", m.preset, PRESETS)
   _choice("model.dtype", m.dtype, DTYPES)
@@ -152,7 +156,7 @@ def _check_model(config, vocab_size: Optional[int]) -> ModelConfig:
   except (ValueError, TypeError) as e:
     raise ConfigError(f"model (preset {m.preset!r} with model.overrides): {e}") from None
   try:  # a configured fused kernel must run here (auto always can)
-    choose_kernel(cfg.attention_impl, backend=jax.default_backend(), dtype=cfg.dtype,
+    choose_kernel(cfg.attention_impl, backend=platform, dtype=cfg.dtype,
                   head_dim=cfg.dim_per_head, q_len=config.data.length,
                   kv_len=config.data.length, dropout=cfg.attention_dropout_rate > 0)
   except ValueError as e:

@@ -1,0 +1,198 @@
+"""`t5x-like plan --compile=yes` on TPU topologies, compiled on this CPU host by libtpu
+(deviceless AOT), and the HLO reader behind its collectives, kernels and FLOPs.
+
+The HLO reader is checked on small programs compiled for the 8 fake CPU devices, with
+FLOPs and bytes counted by hand; the TPU tier (marked `tpu`, skipped without libtpu)
+compiles each family's smoke config for a v5e-4 slice (v5e:2x2).
+"""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from t5x_like import cli
+from t5x_like.plan import hlo, tpu
+
+CONFIGS = pathlib.Path(__file__).parents[1] / "configs"
+
+
+def _summary(fn, *args):
+  """hlo.summarize of fn jitted and compiled for the abstract args, and XLA's FLOPs."""
+  compiled = jax.jit(fn).lower(*args).compile()
+  return hlo.summarize(hlo.parse_module(compiled.as_text())), compiled.cost_analysis()["flops"]
+
+
+# ------------------------------------------------------------------ HLO reader (CPU)
+def test_scanned_matmul_with_psum_counts_every_iteration():
+  """6 iterations of h[8, 32] @ w[32, 32] per device, then a psum of f32[32] over 8."""
+  mesh = jax.make_mesh((8,), ("x",))
+
+  def step(w, x):
+    h, _ = jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=6)
+    return jax.lax.psum(h.sum(0), "x")
+
+  fn = jax.shard_map(step, mesh=mesh, in_specs=(P(), P("x")), out_specs=P())
+  w = jax.ShapeDtypeStruct((32, 32), jnp.float32, sharding=NamedSharding(mesh, P()))
+  x = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+  summary, xla_flops = _summary(fn, w, x)
+  per_iteration = 2 * 8 * 32 * 32
+  assert summary["matmul_flops"] == 6 * per_iteration
+  assert summary["matmul_flops_once"] == per_iteration
+  assert xla_flops < 2 * per_iteration  # XLA's cost analysis: the loop body once
+  assert [loop["trip_count"] for loop in summary["loops"]] == [6]
+  assert summary["collectives"] == {"all-reduce": {"count": 1, "bytes": 32 * 4, "ops": 1}}
+
+
+def test_nested_loops_multiply_trip_counts_and_collectives_inside_count_per_iteration():
+  """An all-gather of f32[4, 16] -> [32, 16] in an inner loop of 3 in an outer of 5."""
+  mesh = jax.make_mesh((8,), ("x",))
+
+  def step(w, x):
+    def outer(h, _):
+      def inner(h, _):
+        full = jax.lax.all_gather(h, "x", tiled=True)  # [32, 16]
+        return h + (full @ w)[:4], None  # [32, 16] @ [16, 16]
+      return jax.lax.scan(inner, h, None, length=3)[0], None
+    return jax.lax.scan(outer, x, None, length=5)[0]
+
+  fn = jax.shard_map(step, mesh=mesh, in_specs=(P(), P("x")), out_specs=P("x"))
+  w = jax.ShapeDtypeStruct((16, 16), jnp.float32, sharding=NamedSharding(mesh, P()))
+  x = jax.ShapeDtypeStruct((32, 16), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+  summary, _ = _summary(fn, w, x)
+  dot = 2 * 32 * 16 * 16
+  sliced = 2 * 4 * 16 * 16  # XLA may slice before the matmul: then only 4 rows
+  assert summary["matmul_flops"] in (15 * dot, 15 * sliced)
+  assert summary["matmul_flops"] // summary["matmul_flops_once"] == 15
+  gather = summary["collectives"]["all-gather"]
+  assert (gather["count"], gather["bytes"], gather["ops"]) == (15, 15 * 32 * 16 * 4, 1)
+
+
+def test_convolution_flops_count_only_real_window_positions():
+  """A 1-D convolution, length 10, kernel 3, padding 1 each side, 4 -> 6 channels,
+  batch 2: the two edge outputs see 2 of the 3 taps, so 2*(10*3 - 2)*4*6*2 FLOPs."""
+  lhs = jax.ShapeDtypeStruct((2, 4, 10), jnp.float32)
+  rhs = jax.ShapeDtypeStruct((6, 4, 3), jnp.float32)
+  conv = lambda a, b: jax.lax.conv_general_dilated(a, b, (1,), [(1, 1)])
+  summary, xla_flops = _summary(conv, lhs, rhs)
+  assert summary["matmul_flops"] == 2 * (10 * 3 - 2) * 4 * 6 * 2 == xla_flops
+
+
+def test_parses_tuple_types_with_tiled_layouts_and_reads_a_while_condition():
+  """TPU-style text: tiled layouts, /*index=N*/ comments, no known_trip_count."""
+  text = """HloModule m, is_scheduled=true
+
+%cond (p: (s32[], bf16[8,128])) -> pred[] {
+  %c = s32[]{:T(128)} constant(12)
+  %p = (s32[]{:T(128)}, bf16[8,128]{1,0:T(8,128)(2,1)}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%i, %c), direction=LT
+}
+
+%body (p: (s32[], bf16[8,128])) -> (s32[], bf16[8,128]) {
+  %p = (s32[]{:T(128)}, bf16[8,128]{1,0:T(8,128)(2,1)}) parameter(0)
+  %h = bf16[8,128]{1,0:T(8,128)(2,1)} get-tuple-element(%p), index=1
+  %d = bf16[8,8]{1,0:T(8,128)(2,1)} dot(%h, %h), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  %custom-call.3 = bf16[8,128]{1,0:T(8,128)(2,1)} custom-call(%d), custom_call_target="tpu_custom_call", metadata={op_name="jit(f)/while/body/flash_fwd/pallas_call"}
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %t = (s32[]{:T(128)}, /*index=1*/bf16[8,128]{1,0:T(8,128)(2,1)}) tuple(%i, %custom-call.3)
+}
+
+ENTRY %main (x: bf16[8,128]) -> bf16[8,128] {
+  %x = bf16[8,128]{1,0:T(8,128)(2,1)} parameter(0)
+  %zero = s32[]{:T(128)} constant(2)
+  %init = (s32[]{:T(128)}, bf16[8,128]{1,0:T(8,128)(2,1)}) tuple(%zero, %x)
+  %w = (s32[]{:T(128)}, bf16[8,128]{1,0:T(8,128)(2,1)}) while(%init), condition=%cond, body=%body
+  ROOT %out = bf16[8,128]{1,0:T(8,128)(2,1)} get-tuple-element(%w), index=1
+}
+
+FileNames
+1 "x.py"
+"""
+  module = hlo.parse_module(text)
+  assert module.entry == "main" and set(module.computations) == {"cond", "body", "main"}
+  assert module.computations["body"].instructions["t"].leaves == [("s32", ()),
+                                                                   ("bf16", (8, 128))]
+  summary = hlo.summarize(module)
+  assert [loop["trip_count"] for loop in summary["loops"]] == [10]  # i from 2 to 12
+  assert summary["kernels"] == {"flash_fwd": 10}
+  assert summary["matmul_flops"] == 10 * 2 * 8 * 8 * 128
+
+
+# ------------------------------------------------------------------ TPU topologies
+@pytest.mark.tpu
+def test_every_supported_slice_name_resolves_to_its_device_count():
+  pytest.importorskip("libtpu")
+  from t5x_like.plan.topology import parse_topology
+  for name in tpu.supported_slices() + ["2xv5e-4"]:
+    assert len(tpu.slice_devices(name)) == parse_topology(name).num_devices, name
+  assert {d.slice_index for d in tpu.slice_devices("2xv5e-4")} == {0, 1}
+  with pytest.raises(ValueError, match="v5e-16, v5e-32"):
+    tpu.libtpu_topology("v5e-12")
+
+
+def test_compile_without_libtpu_names_the_extra(capsys, monkeypatch):
+  monkeypatch.setattr(tpu, "libtpu_available", lambda: False)
+  rc = cli.main(["plan", "--config", f"{CONFIGS / 'bert_cpu.py'}:smoke", "--topology",
+                 "v5e-4", "--compile=yes"])
+  out = capsys.readouterr()
+  assert rc == 2 and not out.out
+  assert out.err == ("t5x-like plan: --compile for v5e-4 needs libtpu:"
+                     " pip install 't5x_like[tpu]'\n")
+
+
+def _tpu_plan(capsys, config: str, *overrides: str, topology: str = "v5e-4") -> dict:
+  rc = cli.main(["plan", "--config", str(CONFIGS / config), "--topology", topology,
+                 "--compile=yes", "--json", *overrides])
+  out = capsys.readouterr()
+  assert rc == 0, out.err
+  return json.loads(out.out)
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("config", ["bert_cpu.py:smoke", "t5_cpu.py:smoke", "gpt_cpu.py:smoke"])
+def test_data_parallel_step_fits_a_v5e_slice_and_all_reduces_its_gradients(capsys, config):
+  pytest.importorskip("libtpu")
+  plan = _tpu_plan(capsys, config)
+  assert plan["compiled"] and plan["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
+  for phase in plan["phases"]:
+    train, evaluate = phase["xla"], phase["xla"]["eval"]
+    for x in (train, evaluate):
+      assert x["fits"] and 0 < x["memory"]["total_bytes"] < x["headroom_bytes"]
+    assert train["collectives"]["all-reduce"]["count"] >= 1
+    assert "all-gather" not in train["collectives"]
+    assert 0.5 < train["flops_corrected_ratio"] < 2.0
+    assert evaluate["analytic_flops"] < phase["flops_per_step"]
+
+
+@pytest.mark.tpu
+def test_fsdp_gathers_weights_and_reduce_scatters_gradients(capsys):
+  pytest.importorskip("libtpu")
+  plan = _tpu_plan(capsys, "bert_cpu.py:smoke", "--config.mesh.data=1",
+                   "--config.mesh.fsdp=4", "--config.model.scan_layers=True")
+  assert plan["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+  phase, = plan["phases"]
+  train = phase["xla"]
+  assert train["collectives"]["all-gather"]["count"] > train["collectives"]["all-gather"]["ops"]
+  assert train["collectives"]["reduce-scatter"]["count"] >= 1
+  assert [loop["trip_count"] for loop in train["loops"]] == [2, 2]  # forward, backward
+  # the scanned layers: XLA counts one layer, the corrected count both
+  assert train["flops_corrected"] > train["flops"]
+  assert abs(train["flops_corrected_ratio"] - 1) < abs(train["flops_ratio"] - 1)
+
+
+@pytest.mark.tpu
+def test_two_slices_split_the_data_axis_over_the_data_center_network(capsys):
+  pytest.importorskip("libtpu")
+  rc = cli.main(["plan", "--config", f"{CONFIGS / 'bert_cpu.py'}:smoke", "--topology",
+                 "2xv5e-4", "--compile=yes"])
+  err = capsys.readouterr().err
+  assert rc == 2 and "2 slices" in err and "mesh.dcn_data" in err
+  plan = _tpu_plan(capsys, "bert_cpu.py:smoke", "--config.mesh.dcn_data=2",
+                   topology="2xv5e-4")
+  assert plan["topology"]["num_slices"] == 2 and plan["mesh"]["data"] == 8
+  phase, = plan["phases"]
+  assert phase["xla"]["fits"] and "all-reduce" in phase["xla"]["collectives"]
