@@ -319,8 +319,9 @@ def test_record_kernels_names_each_attention():
   model = _tiny("t5", num_layers=2, num_decoder_layers=2, attention_impl="auto")
   batch = {"encoder_input_tokens": jnp.ones((1, 8), jnp.int32),
            "decoder_input_tokens": jnp.ones((1, 8), jnp.int32)}
+  params = model.param_shapes({k: v.shape for k, v in batch.items()})
   with record_kernels() as kernels:
-    model.param_shapes({k: v.shape for k, v in batch.items()})
+    jax.eval_shape(model.logits, params, batch)
   names = sorted(kernels)
   assert any("encoder" in n and "self_attention" in n for n in names), names
   assert any("cross_attention" in n for n in names), names

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from t5x_like import cli
-from t5x_like.plan import hlo, tpu
+from t5x_like.plan import fit, hlo, recipes, tpu
 
 CONFIGS = pathlib.Path(__file__).parents[1] / "configs"
 
@@ -196,3 +196,94 @@ def test_two_slices_split_the_data_axis_over_the_data_center_network(capsys):
   assert plan["topology"]["num_slices"] == 2 and plan["mesh"]["data"] == 8
   phase, = plan["phases"]
   assert phase["xla"]["fits"] and "all-reduce" in phase["xla"]["collectives"]
+
+
+# ------------------------------------------------------------------ batch search, recipes
+def test_search_predicts_from_two_compiles_and_steps_down_when_the_line_misjudges():
+  """memory = 100 + 10 * rows, with a bump of 25 from 40 rows on that the line through
+  (8, 180) and (16, 260) does not see: r* = 43 is over, 10% down (38) fits."""
+  calls = []
+
+  def compile_rows(rows):
+    calls.append(rows)
+    return 100 + 10 * rows + (25 if rows >= 40 else 0)
+
+  found = fit.search(compile_rows, 8, compile_rows(8), memory_bytes=530)
+  assert calls == [8, 16, 43, 38]
+  assert (found["rows"], found["total_bytes"], found["next_over"]) == (38, 480, 43)
+  assert found["predicted_rows"] == 43 and found["compiles"] == 3
+  assert found["line"] == {"a": 100.0, "b": 10.0}
+
+
+def test_search_halves_an_over_batch_and_keeps_to_the_microbatch_step():
+  found = fit.search(lambda rows: 10 * rows, 16, 160, memory_bytes=125, step=4)
+  assert [t["rows"] for t in found["tried"]] == [16, 8, 12]
+  assert (found["rows"], found["next_over"]) == (12, 16)
+  none = fit.search(lambda rows: 1000, 1, 1000, memory_bytes=10)
+  assert none["rows"] == 0 and none["compiles"] == 0 and none["total_bytes"] is None
+
+
+@pytest.mark.tpu
+def test_fit_batch_stops_below_an_over_batch_by_the_compilers_numbers(monkeypatch):
+  """The device's memory set just under the configured batch's train step (32 rows per
+  device): the search must find fewer rows that fit, and a larger one compiled over."""
+  pytest.importorskip("libtpu")
+  from t5x_like.plan.report import make_plan
+  from t5x_like.plan.text import format_plan
+  from t5x_like.plan.topology import parse_topology
+  from t5x_like.train.defaults import load_config_file
+  search, limits = fit.search, []
+
+  def under_the_first(compile_rows, rows0, total0, memory_bytes, **kwargs):
+    limits.append(total0 - 1)  # a topology whose HBM is 1 byte short of rows0
+    return search(compile_rows, rows0, total0, total0 - 1, **kwargs)
+
+  monkeypatch.setattr(fit, "search", under_the_first)
+  config = load_config_file(f"{CONFIGS / 'bert_cpu.py'}:smoke")
+  config.train.batch_size = 128
+  plan = make_plan(config, parse_topology("v5e-4"), compile_step="yes", eval_step=False,
+                   fit_batch=True)
+  phase, = plan["phases"]
+  found, limit = phase["fit_batch"], limits[0]
+  assert found["configured_rows"] == 32 and 0 < found["rows"] < 32
+  assert found["total_bytes"] <= limit and found["global_batch"] == 4 * found["rows"]
+  over = {t["rows"]: t["total_bytes"] for t in found["tried"]}[found["next_over"]]
+  assert found["next_over"] > found["rows"] and over > limit
+  assert 1 <= found["compiles"] <= 3 and found["predicted_rows"] is not None
+  assert "largest batch that fits (by compiling the train step): " \
+         f"{found['rows']} rows per device" in format_plan(plan)
+
+
+def _recipe_row(**overrides) -> dict:
+  row = {"name": "bert-base/128@v5e-16", "config": "configs/bert_pretrain.py:base",
+         "phase": 0, "length": 128, "slice": "v5e-16", "documented": False,
+         "mesh": {"data": 16, "fsdp": 1, "tensor": 1}, "global_batch": 256,
+         "per_device_batch": 16, "memory_bytes": 16 << 30, "xla_total_bytes": 3 << 30,
+         "fits": True, "estimate_bytes": 3 << 30, "estimate_ratio": 1.04,
+         "collectives": {"all-reduce": {"count": 3, "bytes": 440 << 20}},
+         "kernels": {"flash_attention_fwd": 12},
+         "attention_kernel": recipes.attention_kernel({"flash_attention_fwd": 12,
+                                                       "other": 1}),
+         "fit_batch": {"rows": 112, "total_bytes": 15 << 30, "compiles": 2, "stopped": None},
+         "seconds": {"row": 300.0}, "error": None}
+  row.update(overrides)
+  return row
+
+
+def test_recipe_rows_format_as_markdown_cells():
+  assert recipes.format_row(_recipe_row()) == [
+      "bert-base", "1 / 128", "v5e-16", "16 (global 256)", "3.00 / 16 GiB, fits", "1.04",
+      "all-reduce x3 (440.00 MiB)", "flash_attention_fwd", "112 (15.00 GiB); 2 more compiles"]
+  over = recipes.format_row(_recipe_row(
+      name="gpt2-124m/1024@v5e-32", slice="v5e-32", phase=None, documented=True,
+      fits=False, collectives={}, attention_kernel=recipes.attention_kernel({}),
+      fit_batch={"rows": 0, "total_bytes": None, "compiles": 1, "stopped": "time"}))
+  assert over[:3] == ["gpt2-124m", "- / 128", "v5e-32 (documented)"]
+  assert over[4].endswith("**does not fit**") and over[6:] == [
+      "none", "XLA (explicit)", "none fits; 1 more compiles; stopped: time"]
+  broken = recipes.format_row(_recipe_row(error="ValueError: no"))
+  assert broken[3] == "error: ValueError: no" and len(broken) == len(recipes.COLUMNS)
+  table = recipes.format_table([_recipe_row()]).splitlines()
+  assert len(table) == 3 and table[0].count("|") == len(recipes.COLUMNS) + 1
+  assert [r.name for r in recipes.RECIPES][:2] == ["bert-base/128@v3-32",
+                                                   "bert-base/128@v5e-16"]

@@ -7,10 +7,10 @@ interpret mode) and each mask (padding, packing, causal, causal with packing, pr
 LM), with a [1, N, T, S] bias: the output and the gradients of q, k, v and the bias
 against a float32 reference computed from the definition (largest error relative to
 the largest reference entry, over query rows that see a key), and the median time of a
-jitted forward + backward. Kernels that apply attention dropout (explicit, cudnn) are
+jitted forward + backward. Kernels that apply attention dropout (explicit, cudnn, pallas) are
 checked by statistics: with v the one-hot key index, out = probs * keep, so the
 dropped fraction of visible entries must be the rate and the mean unchanged; and
-whether two calls drop the same entries.
+whether two calls drop the same entries (Pallas: and the explicit kernel's entries).
 """
 
 from __future__ import annotations
@@ -111,11 +111,18 @@ def _dropout_stats(impl, spec, dtype, rate=0.1):
   other = np.asarray(run(jax.random.key(1), rate), np.float32)
   clean = np.asarray(attend(q, k, eye, mask=spec, scale=0.05, impl=impl), np.float32)
   visible = np.broadcast_to(np.asarray(spec.dense())[:, 0, :, None, :], dropped.shape)
-  return {"rate": rate, "dropped_fraction": round(float((dropped == 0)[visible].mean()), 5),
+  stats = {"rate": rate, "dropped_fraction": round(float((dropped == 0)[visible].mean()), 5),
           "sigma": round(float(np.sqrt(rate * (1 - rate) / visible.sum())), 6),
           "mean_ratio": round(float(dropped.sum() / clean.sum()), 5),
           "same_key_same_mask": bool(np.array_equal(dropped == 0, again == 0)),
           "other_key_other_mask": not np.array_equal(dropped == 0, other == 0)}
+  if impl == "pallas":  # the same hashed mask as the explicit kernel's, entry for entry
+    run_explicit = jax.jit(lambda key: attend(
+        q, k, eye, mask=spec, scale=0.05, dropout_rate=rate, dropout_rng=key,
+        impl="explicit"))
+    stats["mask_equals_explicit"] = bool(np.array_equal(
+        dropped == 0, np.asarray(run_explicit(jax.random.key(0)), np.float32) == 0))
+  return stats
 
 
 def bench_attention(*, batch: int = 4, length: int = 512, heads: int = 16, kv_heads: int = 0,
@@ -153,7 +160,7 @@ def bench_attention(*, batch: int = 4, length: int = 512, heads: int = 16, kv_he
       result["kernels"][impl] = {name: _check(impl, spec, inputs, dt, steps)
                                  for name, spec in cases.items()}
     small = mask_cases(batch, 128)["padding"]
-    for impl in ("explicit", "cudnn"):
+    for impl in ("explicit", "cudnn", "pallas"):
       if impl in result["kernels"]:
         result["dropout"][impl] = _dropout_stats(impl, small, dt)
   return result

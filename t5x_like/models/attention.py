@@ -128,8 +128,11 @@ class MultiHeadAttention(nn.Module):
     dropout_rng = None
     if not self.deterministic and rate > 0.0:
       dropout_rng = self.make_rng("dropout")
+    # Creating parameters needs no fused kernel (and runs at any length, on any host).
+    init = self.is_initializing()
     out = attend(q, k, v, bias=bias, mask=mask, scale=scale, dropout_rate=rate,
-                 dropout_rng=dropout_rng, impl=cfg.attention_impl, name="/".join(self.path))
+                 dropout_rng=dropout_rng, impl="explicit" if init else cfg.attention_impl,
+                 name=None if init else "/".join(self.path))
     out = constrain(out, ("batch", "length", "heads", "kv"))
     o_std = init_std(cfg, n * h, residual=True)
     return DenseGeneral(features=(d,), axes=("heads", "kv", "embed"), in_dims=2,

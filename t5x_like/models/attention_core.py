@@ -188,9 +188,26 @@ def _record(name: str, choice: KernelChoice) -> None:
     entry["traced_calls"] += 1
 
 
+_PLATFORMS: list[str] = []
+
+
+@contextlib.contextmanager
+def tracing_for(platform: str) -> Iterator[None]:
+  """Kernels are chosen for `platform` inside (plan traces a TPU step's residuals on a
+  CPU host without a mesh)."""
+  _PLATFORMS.append(platform)
+  try:
+    yield
+  finally:
+    _PLATFORMS.pop()
+
+
 def kernel_platform() -> str:
-  """The platform the traced step will run on: the mesh's devices' (jax.set_mesh or the
-  abstract mesh the step builders trace under), else jax.default_backend()."""
+  """The platform the traced step will run on: tracing_for's, else the mesh's devices'
+  (jax.set_mesh or the abstract mesh the step builders trace under), else
+  jax.default_backend()."""
+  if _PLATFORMS:
+    return _PLATFORMS[-1]
   mesh = jax.sharding.get_abstract_mesh()
   device = None if mesh.empty else getattr(mesh, "abstract_device", None)
   platform = getattr(device, "platform", None)
@@ -201,7 +218,8 @@ def kernel_platform() -> str:
 def attend(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, *,
            bias: Optional[Array] = None, mask: Union[Array, MaskSpec, None] = None,
            scale: float = 1.0, dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None,
-           keep: Optional[Array] = None, impl: str = "auto", name: str = "attention") -> Array:
+           keep: Optional[Array] = None, impl: str = "auto",
+           name: Optional[str] = "attention") -> Array:
   """Attention over S keys for T queries -> [B, T, N, H] in q's dtype.
 
   bias: [1 or B, N, T, S] added to the logits; mask: boolean [B, 1, T, S] (True = may
@@ -219,7 +237,8 @@ def attend(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, *,
                          q_len=t, kv_len=s, dropout=dropout)
   if keep is not None and choice.kernel != "explicit":
     raise ValueError("attend: an explicit dropout multiplier `keep` needs impl='explicit'")
-  _record(name, choice)
+  if name is not None:  # None: not recorded (parameter creation)
+    _record(name, choice)
   if choice.kernel == "cudnn":
     return attention_kernels.cudnn_attention(
         q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias=bias, mask=mask, scale=scale,

@@ -268,6 +268,7 @@ def _call(kernel, cfg, grid, order, semantics, scalars, ops, out_specs, out_shap
           in_specs=_in_specs(cfg, order, ops, head_dim, len(ops) > 8),
           out_specs=out_specs, scratch_shapes=scratch),
       out_shape=out_shape, interpret=cfg.interpret,
+      name="flash_attention_" + kernel.__name__.strip("_").removesuffix("_kernel"),
       compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
   )(scalars, *ops)
 

@@ -1,4 +1,5 @@
-"""`t5x-like plan --config FILE[:ARG] [--config.KEY=VALUE ...] [--topology NAME ...]`.
+"""`t5x-like plan --config FILE[:ARG] [--config.KEY=VALUE ...] [--topology NAME ...]
+[--compile=yes [--fit_batch]]`.
 
 Prints the plan of a config on each topology (default: the devices present) as text,
 or with --json one JSON object per line. absl / ml-collections flags, as `train`.
@@ -31,6 +32,9 @@ def _flags(argv: list[str]) -> flags.FlagValues:
   flags.DEFINE_enum("compile", "auto", list(COMPILE_CHOICES),
                     "compile the real train step for XLA's analyses: auto = when the"
                     " topology's devices are all present", flag_values=fv)
+  flags.DEFINE_bool("fit_batch", False, "with the compile: search, by compiling the train"
+                    " step again (2-4 times per phase), for the largest per-device batch"
+                    " that fits the device's memory", flag_values=fv)
   return fv
 
 
@@ -55,7 +59,8 @@ def main(argv: list[str]) -> int:
     topologies = ([parse_topology(name, dtype) for name in fv.topology] if fv.topology
                   else [present_topology(dtype)])
     for topology in topologies:
-      plan = make_plan(fv.config, topology, mfu=fv.mfu, compile_step=fv.compile)
+      plan = make_plan(fv.config, topology, mfu=fv.mfu, compile_step=fv.compile,
+                       fit_batch=fv.fit_batch)
       if fv.json:
         print(json.dumps(plan), flush=True)
       else:

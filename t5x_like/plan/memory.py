@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from t5x_like.models import build_model
+from t5x_like.models.attention_core import tracing_for
 from t5x_like.models.model import MODEL_CLASSES
 from t5x_like.plan.params import tree_bytes_per_device
 from t5x_like.train.state import opt_state_shardings
@@ -230,7 +231,8 @@ def estimate_memory(model, optimizer, mesh, param_shardings: Any, abstract_param
   device_batch = per_device_batch_shapes(batch_shapes, batch_shards)
   micro = per_device_batch_shapes(batch_shapes, batch_shards, microbatches)
   remat = effective_remat_policy(cfg, platform)
-  acts = activation_bytes(cfg, micro, tensor, remat)
+  with tracing_for(platform):  # the attention kernel the step will run there
+    acts = activation_bytes(cfg, micro, tensor, remat)
   layers = sum(MODEL_CLASSES[cfg.family].stack_layers(cfg).values())
   fraction = min(1.0, 2 / layers) if cfg.scan_layers else 1.0
   return MemoryEstimate(

@@ -13,13 +13,16 @@ compiled train and eval steps beside them: memory, FLOPs, collectives, fused ker
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Optional
 
 import jax
 import ml_collections
 
 from t5x_like import parallel
+from t5x_like.models.attention_core import tracing_for
 from t5x_like.plan import compiled as compiled_lib
+from t5x_like.plan import fit as fit_lib
 from t5x_like.plan.memory import estimate_memory, per_device_batch_shapes
 from t5x_like.plan.params import param_table, spec_str
 from t5x_like.plan.shapes import Phase, model_vocab_size, plan_phases
@@ -86,8 +89,9 @@ def _notes(config, table, mesh_shape: dict, batch_size: int, topology: Topology,
 
 
 def _phase_json(phase: Phase, model, optimizer, schedule, mesh, table, topology: Topology,
-                mfu: float, rules, real_mesh) -> dict:
-  """One phase: shapes, FLOPs, time, memory (and XLA's view when real_mesh is given)."""
+                mfu: float, rules, real_mesh, eval_step: bool = True, fit=None) -> dict:
+  """One phase: shapes, FLOPs, time, memory (and XLA's view when real_mesh is given;
+  with `fit`, fit_lib.phase_fitter's, the largest batch that fits under 'fit_batch')."""
   config = phase.config
   mesh_shape = dict(mesh.shape)
   microbatches = int(config.train.microbatches or 1)
@@ -113,12 +117,19 @@ def _phase_json(phase: Phase, model, optimizer, schedule, mesh, table, topology:
       "xla": None,
   }
   if real_mesh is not None:
+    began = time.monotonic()
     xla = compiled_lib.compile_train_step(model, optimizer, schedule, real_mesh, rules,
-                                          phase.batch_shapes, microbatches, eval_step=True)
+                                          phase.batch_shapes, microbatches,
+                                          eval_step=eval_step)
+    xla["compile_seconds"] = time.monotonic() - began
     xla["memory_ratio"] = memory.total / max(xla["memory"]["total_bytes"], 1)
     _judge(xla, flops, topology)
-    _judge(xla["eval"], flops_lib.forward_flops(model.config, phase.batch_shapes), topology)
+    if eval_step:
+      _judge(xla["eval"], flops_lib.forward_flops(model.config, phase.batch_shapes),
+             topology)
     out["xla"] = xla
+    if fit is not None:
+      out["fit_batch"] = fit(phase, xla["memory"]["total_bytes"])
   return out
 
 
@@ -143,15 +154,20 @@ def _fits(total: int, topology: Topology) -> Optional[bool]:
   return total <= topology.memory_bytes if topology.memory_bytes else None
 
 
-def make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: float = 0.4,
-              compile_step: str = "auto") -> dict[str, Any]:
+def _make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: float = 0.4,
+              compile_step: str = "auto", eval_step: bool = True, fit_batch: bool = False,
+              fit_budget_s: Optional[float] = None) -> dict[str, Any]:
   """The plan of `config` on `topology` (see the module docstring).
 
   compile_step: 'auto' compiles the real train and eval steps when the topology's devices
   are all present, 'yes' insists: on a TPU topology without its devices it compiles for
   libtpu's description of the slice (minutes for a big model; ValueError naming the
   `tpu` extra when libtpu is missing), elsewhere ValueError; 'no' never compiles.
+  eval_step=False compiles the train step only. fit_batch: per phase, also search for the
+  largest per-device batch whose train step fits (plan/fit.py; needs the compile and the
+  device's memory); no compile of the search starts fit_budget_s after this call began.
   """
+  start = time.monotonic()
   if not 0.0 < mfu <= 1.0:
     raise ValueError(f"--mfu={mfu}: must be in (0, 1]")
   if compile_step not in COMPILE_CHOICES:
@@ -167,7 +183,8 @@ def make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: flo
                      f" to split the mesh across the slices")
   rules = tuple(config.mesh.rules) or parallel.DEFAULT_RULES
   vocab = config_vocab(config, shapes_only=True)
-  validate(config, topology.num_devices, vocab_size=model_vocab_size(config, vocab))
+  validate(config, topology.num_devices, vocab_size=model_vocab_size(config, vocab),
+           platform=topology.platform)
   model = build_model_from_config(config, model_vocab_size(config, vocab))
   optimizer, schedule = make_optimizer(config.optimizer, config.train.num_steps)
   phases = plan_phases(config, vocab)
@@ -183,9 +200,17 @@ def make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: flo
     raise ValueError(f"cannot compile for {topology.name}: its {topology.num_devices}"
                      f" {topology.device_kind} devices are not all present here")
   real_mesh = None if devices is None else parallel.mesh_from_config(config.mesh, devices)
+  fit = None
+  if fit_batch:
+    if real_mesh is None or not topology.memory_bytes:
+      raise ValueError(f"--fit_batch on {topology.name} needs the compiled train step"
+                       f" (--compile=yes) and the device's memory")
+    deadline = None if fit_budget_s is None else start + fit_budget_s
+    fit = fit_lib.phase_fitter(model, optimizer, schedule, real_mesh, rules, vocab,
+                               topology.memory_bytes, deadline)
 
   planned = [_phase_json(p, model, optimizer, schedule, mesh, table, topology, mfu, rules,
-                         real_mesh) for p in phases]
+                         real_mesh, eval_step, fit) for p in phases]
   mesh_shape = {k: int(v) for k, v in mesh.shape.items()}
   peak = max(p["memory"]["total_bytes"] for p in planned)
   total_flops = sum(p["flops_per_step"] * p["steps"] for p in planned)
@@ -209,3 +234,11 @@ def make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: flo
       "notes": _notes(config, table, mesh_shape, int(config.train.batch_size), topology,
                       compiled=real_mesh is not None),
   }
+
+
+def make_plan(config: ml_collections.ConfigDict, topology: Topology, **options) -> dict[str, Any]:
+  """The plan of `config` on `topology` (_make_plan), with every trace of the model
+  (parameter shapes, the estimate's residuals, the compiled steps) choosing its
+  attention kernel for the topology's platform, not this host's."""
+  with tracing_for(topology.platform):
+    return _make_plan(config, topology, **options)

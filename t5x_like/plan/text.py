@@ -174,7 +174,28 @@ def _phase(phase: dict, plan: dict) -> list[str]:
   lines += _memory(phase, plan)
   if x:
     lines += _collectives(x) + _kernels(x)
+  if phase.get("fit_batch"):
+    lines += _fit_batch(phase["fit_batch"], plan)
   return lines
+
+
+def _fit_batch(fit: dict, plan: dict) -> list[str]:
+  """plan/fit.py's search: the largest per-device batch whose train step fits."""
+  limit = human_bytes(plan["topology"]["memory_bytes_per_device"])
+  tried = ", ".join(f"{t['rows']} -> {human_bytes(t['total_bytes'])}"
+                    + ("" if t["fits"] else " (over)") for t in fit["tried"])
+  if fit["rows"]:
+    found = (f"{fit['rows']} rows per device (global {fit['global_batch']}), train step"
+             f" {human_bytes(fit['total_bytes'])} of {limit}")
+  else:
+    found = f"none: even the smallest batch tried is over {limit}"
+  line = fit["line"]
+  fitted = (f"; fit {human_bytes(line['a'])} + {human_bytes(line['b'])} x rows predicted"
+            f" {fit['predicted_rows']}" if line and fit["predicted_rows"] is not None else "")
+  stopped = f"; stopped: {fit['stopped']}" if fit["stopped"] else ""
+  return [f"  largest batch that fits (by compiling the train step): {found}",
+          f"    {fit['compiles']} compiles beyond the plan's, {human_seconds(fit['seconds'])}"
+          f"{fitted}; tried {tried}{stopped}"]
 
 
 def format_plan(plan: dict, source: str = "config") -> str:

@@ -1,0 +1,136 @@
+"""The largest per-device batch whose train step fits the device, by the compiler's own
+memory analysis.
+
+  compile_rows = train_step_compiler(phase, model, optimizer, schedule, mesh, rules, vocab)
+  found = search(compile_rows, rows0=16, total0=xla_total_at_16, memory_bytes=16 * GiB)
+  found["rows"], found["total_bytes"], found["compiles"]
+
+Rows are per device: the global batch is rows x (mesh data x fsdp), set through the
+phase's config.train.batch_size, so the objective gives every feature its shape. The
+search fits memory = a + b * rows through two compiles (the configured rows and twice
+or half of them), predicts r* = floor((memory - a) / b) and compiles r* to confirm it,
+stepping down 10% when it does not fit (at most two confirmations). Only the train
+step is compiled: it holds the optimizer state and the backward pass, so it is the
+larger of the two.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Optional
+
+import ml_collections
+
+from t5x_like.plan import compiled as compiled_lib
+from t5x_like.plan.shapes import batch_shapes_for
+
+CompileRows = Callable[[int], int]  # rows per device -> compiler's total bytes per device
+
+
+def row_step(batch_shards: int, microbatches: int) -> int:
+  """The rows-per-device granularity that keeps rows x shards divisible by microbatches."""
+  return microbatches // math.gcd(microbatches, batch_shards)
+
+
+def train_step_compiler(phase, model, optimizer, schedule, mesh, rules, vocab) -> CompileRows:
+  """rows -> the compiled train step's total bytes per device (memory_analysis) for a
+  global batch of rows x (data x fsdp) of phase's objective on `mesh`."""
+  shards = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
+  microbatches = int(phase.config.train.microbatches or 1)
+
+  def compile_rows(rows: int) -> int:
+    config = ml_collections.ConfigDict(phase.config.to_dict())
+    config.train.batch_size = rows * shards
+    shapes = batch_shapes_for(config, vocab)
+    xla = compiled_lib.compile_train_step(model, optimizer, schedule, mesh, rules, shapes,
+                                          microbatches, eval_step=False)
+    return int(xla["memory"]["total_bytes"])
+
+  return compile_rows
+
+
+def _line(p: tuple[int, int], q: tuple[int, int]) -> tuple[float, float]:
+  """(a, b) of total = a + b * rows through two (rows, total) points."""
+  (r0, t0), (r1, t1) = p, q
+  b = (t1 - t0) / (r1 - r0)
+  return t0 - b * r0, b
+
+
+def search(compile_rows: CompileRows, rows0: int, total0: int, memory_bytes: int, *,
+           step: int = 1, max_confirm: int = 2,
+           deadline: Optional[float] = None) -> dict:
+  """The largest rows (a multiple of `step`) whose compiled total <= memory_bytes.
+
+  rows0, total0: the configured rows per device and the compiler's total there (already
+  compiled). deadline: time.monotonic() by which compiles must end: none starts that the
+  last one's duration would carry past it (the result then says 'stopped'). Returns {rows, total_bytes, compiles (beyond the first),
+  predicted_rows, line: {a, b}, tried: [{rows, total_bytes, fits}], next_over, seconds,
+  stopped}: rows is the largest tried rows that fit (0 when none), next_over the
+  smallest tried rows above it that does not (None when none was tried).
+  """
+  start = time.monotonic()
+  tried = {rows0: total0}
+  order = [rows0]
+  fits = lambda rows: tried[rows] <= memory_bytes
+  stopped = None
+
+  last = [0.0]  # the last compile's seconds: a compile that would end past deadline waits
+
+  def measure(rows: int) -> bool:
+    nonlocal stopped
+    if rows in tried:
+      return True
+    if deadline is not None and time.monotonic() + last[0] > deadline:
+      stopped = f"time budget spent before compiling {rows} rows"
+      return False
+    began = time.monotonic()
+    tried[rows] = compile_rows(rows)
+    last[0] = time.monotonic() - began
+    order.append(rows)
+    return True
+
+  second = 2 * rows0 if fits(rows0) else (rows0 // 2) // step * step
+  predicted, line = None, None
+  if second >= step and measure(second):
+    a, b = _line((rows0, total0), (second, tried[second]))
+    line = {"a": a, "b": b}
+    if b > 0:
+      predicted = int(math.floor((memory_bytes - a) / b)) // step * step
+      rows, confirms = predicted, 0
+      while rows >= step and confirms < max_confirm:
+        best = max((r for r in tried if fits(r)), default=0)
+        if rows <= best:
+          break  # the step-down reached a size known to fit
+        new = rows not in tried
+        if not measure(rows):
+          break
+        confirms += new
+        if fits(rows):
+          break
+        rows = min(int(rows * 0.9), rows - step) // step * step
+  best = max((r for r in tried if fits(r)), default=0)
+  over = min((r for r in tried if r > best and not fits(r)), default=None)
+  return {"rows": best, "total_bytes": tried.get(best), "compiles": len(order) - 1,
+          "predicted_rows": predicted, "line": line, "next_over": over,
+          "tried": [{"rows": r, "total_bytes": tried[r], "fits": fits(r)} for r in order],
+          "seconds": time.monotonic() - start, "stopped": stopped}
+
+
+def phase_fitter(model, optimizer, schedule, mesh, rules, vocab, memory_bytes: int,
+                 deadline: Optional[float] = None) -> Callable[..., dict]:
+  """(phase, total0) -> search()'s result for that phase, where total0 is the compiler's
+  total of the train step at the phase's configured batch (make_plan's compile)."""
+  shards = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
+
+  def fit(phase, total0: int) -> dict:
+    batch = int(phase.config.train.batch_size)
+    step = row_step(shards, int(phase.config.train.microbatches or 1))
+    compile_rows = train_step_compiler(phase, model, optimizer, schedule, mesh, rules, vocab)
+    out = search(compile_rows, batch // shards, total0, memory_bytes, step=step,
+                 deadline=deadline)
+    out["configured_rows"] = batch // shards
+    out["global_batch"] = out["rows"] * shards
+    return out
+
+  return fit

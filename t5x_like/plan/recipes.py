@@ -1,0 +1,236 @@
+"""The README table "The recipes on TPU, compiled here": every shipped pretraining recipe
+at its documented slice and one current slice, compiled for it on this host by libtpu.
+
+  python -m t5x_like.plan.recipes [--only NAME ...] [--json OUT.jsonl] [--resume-from F]
+
+Each row is one phase of one recipe on one slice: make_plan (report.py) compiles its
+train step (not the eval step) and, with the row's time left, searches the largest
+per-device batch that fits (fit.py). The markdown table goes to stdout (and --markdown
+FILE after every row); --json appends one JSON line per row as it finishes, so a
+stopped run keeps its rows, and --resume-from skips the rows a file already holds.
+Minutes per row on a small host: this is a command to run once per release, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Optional
+
+import ml_collections
+
+from t5x_like.plan.text import human_bytes
+
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """One row: `phase` of `config` (its train.phases index; None: the only phase) on
+  `slice` (documented: the slice the recipe's docstring names, else a current one)."""
+
+  name: str
+  config: str
+  phase: Optional[int]
+  slice: str
+  documented: bool
+
+
+def _both(name, config, lengths, documented, current):
+  return [Recipe(f"{name}/{length}@{s}", config, i, s, s == documented)
+          for i, length in enumerate(lengths) for s in (documented, current)]
+
+
+# The run order: BERT-base first (the quickest to read a number from), then one row pair
+# per family before BERT-large, whose 128-device compiles are the slowest.
+RECIPES = (
+    _both("bert-base", "configs/bert_pretrain.py:base", (128, 512), "v3-32", "v5e-16")
+    + [Recipe("t5-base/512@v3-32", "configs/t5_pretrain.py:base", None, "v3-32", True),
+       Recipe("t5-base/512@v5e-16", "configs/t5_pretrain.py:base", None, "v5e-16", False),
+       Recipe("gpt2-124m/1024@v4-64", "configs/gpt2_pretrain.py:124m", None, "v4-64", True),
+       Recipe("gpt2-124m/1024@v5e-32", "configs/gpt2_pretrain.py:124m", None, "v5e-32",
+              False)]
+    + _both("bert-large", "configs/bert_pretrain.py:large", (128, 512), "v3-128", "v5e-64"))
+
+COLUMNS = ("recipe", "phase / length", "slice", "per-device batch",
+           "compiler memory / HBM per device", "estimate / compiler", "collectives per step",
+           "attention kernel", "largest per-device batch that fits")
+
+
+def phase_config(config: ml_collections.ConfigDict,
+                 phase: Optional[int]) -> ml_collections.ConfigDict:
+  """`config` narrowed to one of its train.phases (length and options applied), as a
+  config of one phase, so make_plan compiles that phase only."""
+  if phase is None:
+    return config
+  from t5x_like.experiment import phase_configs
+  c = phase_configs(config)[phase][1]
+  c.train.phases = ()
+  return c
+
+
+def attention_kernel(kernels: dict) -> str:
+  """The Pallas attention kernels' names in a program's fused kernels, else 'XLA
+  (explicit)': attention written out as XLA ops (einsum, softmax)."""
+  names = sorted(k for k in kernels if "attention" in k or "flash" in k)
+  return ", ".join(names) if names else "XLA (explicit)"
+
+
+def row_json(recipe: Recipe, plan: dict, seconds: float) -> dict:
+  """The table's row of one make_plan(..., fit_batch=...) of one phase."""
+  phase, = plan["phases"]
+  x = phase["xla"]
+  shards = plan["mesh"]["data"] * plan["mesh"]["fsdp"]
+  fit = phase.get("fit_batch")
+  return {
+      "name": recipe.name, "config": recipe.config, "phase": recipe.phase,
+      "length": phase["length"], "slice": recipe.slice, "documented": recipe.documented,
+      "mesh": plan["mesh"], "global_batch": plan["batch_size"],
+      "per_device_batch": plan["batch_size"] // shards,
+      "memory_bytes": plan["topology"]["memory_bytes_per_device"],
+      "xla_total_bytes": x["memory"]["total_bytes"], "fits": x["fits"],
+      "estimate_bytes": phase["memory"]["total_bytes"], "estimate_ratio": x["memory_ratio"],
+      "collectives": {k: {"count": c["count"], "bytes": c["bytes"]}
+                      for k, c in sorted(x["collectives"].items())},
+      "kernels": x["kernels"], "attention_kernel": attention_kernel(x["kernels"]),
+      "fit_batch": fit and {k: fit[k] for k in ("rows", "total_bytes", "compiles",
+                                                "predicted_rows", "next_over", "tried",
+                                                "seconds", "stopped")},
+      "seconds": {"plan_compile": x["compile_seconds"],
+                  "fit": fit["seconds"] if fit else 0.0, "row": seconds},
+      "error": None,
+  }
+
+
+def _collectives(collectives: dict) -> str:
+  if not collectives:
+    return "none"
+  return "; ".join(f"{kind} x{c['count']} ({human_bytes(c['bytes'])})"
+                   for kind, c in sorted(collectives.items()))
+
+
+def _fit_cell(row: dict) -> str:
+  fit = row["fit_batch"]
+  if not fit:
+    return row.get("fit_skipped") or "not searched"
+  if not fit["rows"]:
+    found = "none fits"
+  else:
+    found = f"{fit['rows']} ({human_bytes(fit['total_bytes'])})"
+  extra = f"; stopped: {fit['stopped']}" if fit["stopped"] else ""
+  return f"{found}; {fit['compiles']} more compiles{extra}"
+
+
+def format_row(row: dict) -> list[str]:
+  """The markdown cells of one row (COLUMNS order)."""
+  recipe, _, _ = row["name"].partition("/")
+  phase = "-" if row["phase"] is None else str(row["phase"] + 1)
+  slice_ = row["slice"] + (" (documented)" if row["documented"] else "")
+  if row.get("error"):
+    return [recipe, f"{phase} / {row.get('length', '?')}", slice_,
+            f"error: {row['error']}"] + [""] * (len(COLUMNS) - 4)
+  fits = "fits" if row["fits"] else "**does not fit**"
+  memory = (f"{row['xla_total_bytes'] / GiB:.2f} / {row['memory_bytes'] / GiB:.0f} GiB,"
+            f" {fits}")
+  return [recipe, f"{phase} / {row['length']}", slice_,
+          f"{row['per_device_batch']} (global {row['global_batch']})", memory,
+          f"{row['estimate_ratio']:.2f}", _collectives(row["collectives"]),
+          row["attention_kernel"], _fit_cell(row)]
+
+
+def format_table(rows: list[dict]) -> str:
+  """A markdown table of rows (row_json's dicts), in the order given."""
+  lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+  lines += ["| " + " | ".join(c.replace("|", "/") for c in format_row(r)) + " |"
+            for r in rows]
+  return "\n".join(lines)
+
+
+def run_recipe(recipe: Recipe, fit: bool = True, fit_budget_s: float = 20 * 60) -> dict:
+  """Compile one row (and search its batch within fit_budget_s of the row's start)."""
+  from t5x_like.plan.report import make_plan
+  from t5x_like.plan.topology import parse_topology
+  from t5x_like.train.defaults import load_config_file
+  start = time.monotonic()
+  config = phase_config(load_config_file(recipe.config), recipe.phase)
+  topology = parse_topology(recipe.slice, config.model.dtype)
+  try:
+    plan = make_plan(config, topology, compile_step="yes", eval_step=False, fit_batch=fit,
+                     fit_budget_s=fit_budget_s)
+  except Exception as e:  # a row's failure is a finding: keep the others going
+    traceback.print_exc()
+    return {"name": recipe.name, "config": recipe.config, "phase": recipe.phase,
+            "length": int(config.data.length), "slice": recipe.slice,
+            "documented": recipe.documented, "error": f"{type(e).__name__}: {e}",
+            "seconds": {"row": time.monotonic() - start}}
+  row = row_json(recipe, plan, time.monotonic() - start)
+  if not fit:
+    row["fit_skipped"] = "skipped (--no-fit)"
+  elif row["fit_batch"]["stopped"] and not row["fit_batch"]["compiles"]:
+    row["fit_skipped"] = f"skipped: the row's compile took over {fit_budget_s / 60:.0f} min"
+  return row
+
+
+def _read_rows(path: str) -> dict[str, dict]:
+  rows = {}
+  if path and os.path.exists(path):
+    with open(path) as f:
+      for line in f:
+        if line.strip():
+          row = json.loads(line)
+          rows[row["name"]] = row
+  return rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m t5x_like.plan.recipes",
+                                   description=__doc__.split("\n\n")[0])
+  parser.add_argument("--only", nargs="+", default=[], metavar="NAME",
+                      help="rows whose name starts with NAME (e.g. bert-base,"
+                           " bert-base/512@v5e-16); known: " +
+                           ", ".join(r.name for r in RECIPES))
+  parser.add_argument("--json", metavar="OUT.jsonl", help="append one JSON line per row")
+  parser.add_argument("--resume-from", metavar="IN.jsonl",
+                      help="skip the rows this file holds (without an error); they stay"
+                           " in the table")
+  parser.add_argument("--markdown", metavar="OUT.md", help="also write the table here,"
+                      " rewritten after every row")
+  parser.add_argument("--no-fit", action="store_true", help="skip the batch search")
+  parser.add_argument("--fit-budget-s", type=float, default=20 * 60,
+                      help="no search compile starts this long after the row began")
+  args = parser.parse_args(argv)
+  recipes = [r for r in RECIPES if not args.only or any(r.name.startswith(p)
+                                                        for p in args.only)]
+  if not recipes:
+    parser.error(f"--only {' '.join(args.only)}: no such rows")
+  done = {k: v for k, v in _read_rows(args.resume_from).items() if not v.get("error")}
+
+  from t5x_like.plan.tpu import quiet_backend_init
+  quiet_backend_init()
+  rows = []
+  for recipe in recipes:
+    if recipe.name in done:
+      rows.append(done[recipe.name])
+      continue
+    print(f"[recipes] {recipe.name} ...", file=sys.stderr, flush=True)
+    row = run_recipe(recipe, fit=not args.no_fit, fit_budget_s=args.fit_budget_s)
+    print(f"[recipes] {recipe.name}: {row['seconds']['row']:.0f} s", file=sys.stderr,
+          flush=True)
+    rows.append(row)
+    if args.json:
+      with open(args.json, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    if args.markdown:
+      with open(args.markdown, "w") as f:
+        f.write(format_table(rows) + "\n")
+  print(format_table(rows))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
