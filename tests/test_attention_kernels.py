@@ -251,6 +251,24 @@ def test_auto_picks_per_backend(backend, dtype, dropout, length, want):
   assert choice.reason
 
 
+@pytest.mark.parametrize("kind, dtype, want", [
+    ("TPU v3", jnp.bfloat16, "explicit"), ("TPU v2", jnp.bfloat16, "explicit"),
+    ("TPU v3", jnp.float32, "pallas"), ("TPU v5 lite", jnp.bfloat16, "pallas"),
+    ("TPU v4", jnp.bfloat16, "pallas"),
+])
+def test_auto_knows_that_mosaic_has_no_bf16_matmul_on_v2_and_v3(kind, dtype, want):
+  """libtpu's Mosaic rejects bf16 matmul operands on TPU v2/v3 (E2001, jax's own flash
+  kernel alike; tests/test_tpu_kernels.py compiles it), so 'auto' keeps the explicit
+  kernel there, and a configured 'pallas' says why."""
+  choice = choose_kernel("auto", backend="tpu", dtype=dtype, head_dim=64, q_len=512,
+                         kv_len=512, dropout=True, device_kind=kind)
+  assert choice.kernel == want, choice
+  if want == "explicit":
+    with pytest.raises(ValueError, match=kind):
+      choose_kernel("pallas", backend="tpu", dtype=dtype, head_dim=64, q_len=512,
+                    kv_len=512, dropout=False, device_kind=kind)
+
+
 @pytest.mark.parametrize("impl, backend, dtype, dropout, message", [
     ("cudnn", "cpu", jnp.bfloat16, False, "needs a GPU"),
     ("cudnn", "gpu", jnp.float32, False, "bfloat16 or float16"),

@@ -215,12 +215,42 @@ def test_search_predicts_from_two_compiles_and_steps_down_when_the_line_misjudge
   assert found["line"] == {"a": 100.0, "b": 10.0}
 
 
+def test_search_predicts_again_when_memory_grows_slower_than_its_line():
+  """10 bytes a row up to 16 rows, 5 beyond: the first line's r* = 90 fits with 370 of
+  1000 left, the line through (16, 260) and (90, 630) finds 164, which just fits."""
+  total = lambda rows: 100 + 10 * rows if rows <= 16 else 260 + 5 * (rows - 16)
+  found = fit.search(total, 8, total(8), memory_bytes=1000)
+  assert [t["rows"] for t in found["tried"]] == [8, 16, 90, 164]
+  assert (found["rows"], found["total_bytes"], found["next_over"]) == (164, 1000, None)
+
+
 def test_search_halves_an_over_batch_and_keeps_to_the_microbatch_step():
   found = fit.search(lambda rows: 10 * rows, 16, 160, memory_bytes=125, step=4)
   assert [t["rows"] for t in found["tried"]] == [16, 8, 12]
   assert (found["rows"], found["next_over"]) == (12, 16)
   none = fit.search(lambda rows: 1000, 1, 1000, memory_bytes=10)
   assert none["rows"] == 0 and none["compiles"] == 0 and none["total_bytes"] is None
+
+
+def test_search_reads_the_compilers_refusals_for_hbm():
+  """libtpu refuses a program over HBM (RESOURCE_EXHAUSTED) rather than compiling it: a
+  refusal counts as over, its 'Used X of Y' serves the line and lowers the limit to Y."""
+  def compile_rows(rows):
+    if 100 + 10 * rows > 400:
+      raise fit.over_memory(RuntimeError(
+          f"RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used"
+          f" {(100 + 10 * rows) / 1024:.2f}K of 0.39K hbm. Exceeded hbm capacity"))
+    return 100 + 10 * rows
+
+  found = fit.search(compile_rows, 16, 260, memory_bytes=1000)
+  assert found["tried"][1] == {"rows": 32, "total_bytes": 419, "fits": False,
+                               "refused": True}
+  assert found["limit_bytes"] == 399 and (found["rows"], found["next_over"]) == (29, 32)
+  temps = fit.over_memory(RuntimeError(
+      "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO"
+      " temporaries (48.00G) exceeds available HBM (15.75G)."))
+  assert (temps.required_bytes, temps.available_bytes) == (48 << 30, int(15.75 * (1 << 30)))
+  assert fit.over_memory(ValueError("shapes do not match")) is None
 
 
 @pytest.mark.tpu
@@ -236,6 +266,7 @@ def test_fit_batch_stops_below_an_over_batch_by_the_compilers_numbers(monkeypatc
 
   def under_the_first(compile_rows, rows0, total0, memory_bytes, **kwargs):
     limits.append(total0 - 1)  # a topology whose HBM is 1 byte short of rows0
+    kwargs["max_confirm"] = 1  # 3 compiles in all (the step-downs: the test above)
     return search(compile_rows, rows0, total0, total0 - 1, **kwargs)
 
   monkeypatch.setattr(fit, "search", under_the_first)
@@ -249,7 +280,7 @@ def test_fit_batch_stops_below_an_over_batch_by_the_compilers_numbers(monkeypatc
   assert found["total_bytes"] <= limit and found["global_batch"] == 4 * found["rows"]
   over = {t["rows"]: t["total_bytes"] for t in found["tried"]}[found["next_over"]]
   assert found["next_over"] > found["rows"] and over > limit
-  assert 1 <= found["compiles"] <= 3 and found["predicted_rows"] is not None
+  assert found["compiles"] == 2 and found["predicted_rows"] is not None
   assert "largest batch that fits (by compiling the train step): " \
          f"{found['rows']} rows per device" in format_plan(plan)
 
@@ -264,7 +295,8 @@ def _recipe_row(**overrides) -> dict:
          "kernels": {"flash_attention_fwd": 12},
          "attention_kernel": recipes.attention_kernel({"flash_attention_fwd": 12,
                                                        "other": 1}),
-         "fit_batch": {"rows": 112, "total_bytes": 15 << 30, "compiles": 2, "stopped": None},
+         "fit_batch": {"rows": 112, "total_bytes": 15 << 30, "compiles": 2, "stopped": None,
+                       "next_over": 120},
          "seconds": {"row": 300.0}, "error": None}
   row.update(overrides)
   return row
@@ -281,9 +313,16 @@ def test_recipe_rows_format_as_markdown_cells():
   assert over[:3] == ["gpt2-124m", "- / 128", "v5e-32 (documented)"]
   assert over[4].endswith("**does not fit**") and over[6:] == [
       "none", "XLA (explicit)", "none fits; 1 more compiles; stopped: time"]
-  broken = recipes.format_row(_recipe_row(error="ValueError: no"))
-  assert broken[3] == "error: ValueError: no" and len(broken) == len(recipes.COLUMNS)
-  table = recipes.format_table([_recipe_row()]).splitlines()
-  assert len(table) == 3 and table[0].count("|") == len(recipes.COLUMNS) + 1
+  open_ended = {"rows": 8, "total_bytes": 1 << 30, "compiles": 1, "stopped": None,
+                "next_over": None}  # nothing larger compiled: a lower bound
+  assert recipes.format_row(_recipe_row(fit_batch=open_ended))[8] == \
+      "at least 8 (1.00 GiB there); 1 more compiles"
+  noted = recipes.format_row(_recipe_row(attention_kernel="XLA (explicit)", note="why"))
+  assert noted[7] == "XLA (explicit); why"
+  broken = _recipe_row(error="MosaicError: INTERNAL: E2001\n\nThe MLIR operation | ...")
+  assert recipes.format_row(broken)[3] == "error: MosaicError: INTERNAL: E2001"
+  assert len(recipes.format_row(broken)) == len(recipes.COLUMNS)
+  table = recipes.format_table([_recipe_row(), broken]).splitlines()
+  assert len(table) == 4 and {line.count("|") for line in table} == {len(recipes.COLUMNS) + 1}
   assert [r.name for r in recipes.RECIPES][:2] == ["bert-base/128@v3-32",
                                                    "bert-base/128@v5e-16"]

@@ -139,3 +139,21 @@ def test_bert_base_at_length_512_fits_a_v5e_16():
   assert total < 16 * GiB
   assert set(xla["collectives"]) == {"all-reduce"}, xla["collectives"]
   assert "fwd" in {name.removeprefix("flash_attention_") for name in xla["kernels"]}
+
+
+def test_v3_mosaic_has_no_bf16_matmul_but_float32_compiles():
+  """Why 'auto' keeps the explicit kernel on TPU v2/v3 in bf16 (attention_kernels.
+  pallas_unsupported): libtpu's Mosaic rejects the kernel's bf16 matmuls there, and
+  compiles the float32 kernel. A libtpu that lifts this fails here: then lift the rule."""
+  from t5x_like.models import pallas_flash  # noqa: PLC0415
+  mesh = jax.sharding.Mesh(tpu.slice_devices("v3-8")[:1], ("x",))
+  replicated = NamedSharding(mesh, P())
+
+  def compile_for(dtype):
+    qkv = jax.ShapeDtypeStruct((1, 2, 256, 64), dtype, sharding=replicated)
+    loss = lambda q, k, v: pallas_flash.flash_attention(q, k, v).astype(jnp.float32).sum()
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(qkv, qkv, qkv).compile()
+
+  compile_for(jnp.float32)
+  with pytest.raises(Exception, match="E2001"):
+    compile_for(jnp.bfloat16)

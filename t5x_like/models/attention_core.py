@@ -25,7 +25,8 @@ Kernels (config.attention_impl; attention_kernels.py holds the fused ones):
   interpret mode inside `pallas_interpret()` (tests).
 "auto" picks per platform and call (choose_kernel). The platform is the one the step is
 compiled for: the devices of the mesh being traced under (a TPU slice compiled from a
-CPU host picks TPU kernels), else jax.default_backend(). `record_kernels()` collects each
+CPU host picks TPU kernels), else jax.default_backend(); and their generation (Mosaic
+compiles no bf16 matmul for TPU v2/v3, so 'auto' takes the explicit kernel there). `record_kernels()` collects each
 attention's choice and the reason for it while a model is traced (bench model prints it).
 """
 
@@ -125,8 +126,9 @@ class KernelChoice:
 
 
 def choose_kernel(impl: str, *, backend: str, dtype, head_dim: int, q_len: int, kv_len: int,
-                  dropout: bool) -> KernelChoice:
-  """The kernel `impl` runs as on `backend` for one attention call (module docstring).
+                  dropout: bool, device_kind: str = "") -> KernelChoice:
+  """The kernel `impl` runs as on `backend` (a `device_kind` such as 'TPU v3') for one
+  attention call (module docstring).
 
   Raises ValueError when an explicitly configured kernel cannot run this call.
   """
@@ -134,7 +136,8 @@ def choose_kernel(impl: str, *, backend: str, dtype, head_dim: int, q_len: int, 
     raise ValueError(f"attention impl {impl!r}: expected one of {IMPLS}")
   interpret = attention_kernels.pallas_interpreting()
   cudnn_why = attention_kernels.cudnn_unsupported(backend, dtype, head_dim)
-  pallas_why = attention_kernels.pallas_unsupported(backend, q_len, kv_len, head_dim, interpret)
+  pallas_why = attention_kernels.pallas_unsupported(backend, q_len, kv_len, head_dim, interpret,
+                                                    dtype=dtype, device_kind=device_kind)
   if impl == "explicit":
     return KernelChoice("explicit", "configured")
   if impl == "xla":
@@ -188,30 +191,34 @@ def _record(name: str, choice: KernelChoice) -> None:
     entry["traced_calls"] += 1
 
 
-_PLATFORMS: list[str] = []
+_TARGETS: list[tuple[str, str]] = []  # (platform, device kind) set by tracing_for
 
 
 @contextlib.contextmanager
-def tracing_for(platform: str) -> Iterator[None]:
-  """Kernels are chosen for `platform` inside (plan traces a TPU step's residuals on a
-  CPU host without a mesh)."""
-  _PLATFORMS.append(platform)
+def tracing_for(platform: str, device_kind: Optional[str] = None) -> Iterator[None]:
+  """Kernels are chosen for `platform` (and `device_kind`, e.g. 'TPU v3'; None: the
+  enclosing tracing_for's for the same platform) inside: plan traces a TPU step on a CPU
+  host, and its estimate traces the model without a mesh."""
+  if device_kind is None:
+    device_kind = next((kind for p, kind in reversed(_TARGETS) if p == platform), "")
+  _TARGETS.append((platform, device_kind))
   try:
     yield
   finally:
-    _PLATFORMS.pop()
+    _TARGETS.pop()
 
 
-def kernel_platform() -> str:
-  """The platform the traced step will run on: tracing_for's, else the mesh's devices'
-  (jax.set_mesh or the abstract mesh the step builders trace under), else
-  jax.default_backend()."""
-  if _PLATFORMS:
-    return _PLATFORMS[-1]
+def kernel_target() -> tuple[str, str]:
+  """(platform, device kind) the traced step will run on: tracing_for's, else the mesh's
+  devices' (jax.set_mesh or the abstract mesh the step builders trace under), else
+  jax.default_backend() with this host's first device."""
+  if _TARGETS:
+    return _TARGETS[-1]
   mesh = jax.sharding.get_abstract_mesh()
   device = None if mesh.empty else getattr(mesh, "abstract_device", None)
-  platform = getattr(device, "platform", None)
-  return platform or jax.default_backend()
+  if getattr(device, "platform", None):
+    return device.platform, device.device_kind or ""
+  return jax.default_backend(), jax.devices()[0].device_kind
 
 
 # ------------------------------------------------------------------------- attend
@@ -233,8 +240,9 @@ def attend(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, *,
   b, t, n, h = q_BxTxNxH.shape
   s = k_BxSxKxH.shape[1]
   dropout = keep is not None or (dropout_rate > 0.0 and dropout_rng is not None)
-  choice = choose_kernel(impl, backend=kernel_platform(), dtype=dtype, head_dim=h,
-                         q_len=t, kv_len=s, dropout=dropout)
+  platform, device_kind = kernel_target()
+  choice = choose_kernel(impl, backend=platform, dtype=dtype, head_dim=h, q_len=t, kv_len=s,
+                         dropout=dropout, device_kind=device_kind)
   if keep is not None and choice.kernel != "explicit":
     raise ValueError("attend: an explicit dropout multiplier `keep` needs impl='explicit'")
   if name is not None:  # None: not recorded (parameter creation)

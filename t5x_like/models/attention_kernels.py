@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 from typing import Iterator, Optional, Union
 
 import jax
@@ -117,10 +118,15 @@ def pallas_interpreting() -> bool:
 
 
 def pallas_unsupported(backend: str, q_len: int, kv_len: int, head_dim: int,
-                       interpret: bool = False) -> str:
+                       interpret: bool = False, dtype=None, device_kind: str = "") -> str:
   """Why the Pallas TPU kernel cannot run, or ""."""
   if backend != "tpu" and not interpret:
     return f"needs a TPU (backend {backend!r}) or pallas_interpret()"
+  if (backend == "tpu" and not interpret and re.search(r"\bv[23]\b", device_kind.lower())
+      and dtype is not None and jnp.dtype(dtype).itemsize == 2):
+    # libtpu 0.0.42: "E2001: Unsupported matmul RHS type on target: vector<128x128xbf16>"
+    # (jax's own flash attention fails alike); float32 compiles.
+    return f"{device_kind}: Mosaic compiles no 16-bit matmul there (float32 does)"
   if q_len % _PALLAS_BLOCK or kv_len % _PALLAS_BLOCK:
     return (f"lengths {q_len} x {kv_len}: the kernel's blocks need multiples of"
             f" {_PALLAS_BLOCK}")

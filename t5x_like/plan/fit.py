@@ -17,6 +17,7 @@ larger of the two.
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Callable, Optional
 
@@ -26,6 +27,44 @@ from t5x_like.plan import compiled as compiled_lib
 from t5x_like.plan.shapes import batch_shapes_for
 
 CompileRows = Callable[[int], int]  # rows per device -> compiler's total bytes per device
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+class OverMemory(Exception):
+  """The TPU compiler refused the program: it does not fit HBM (RESOURCE_EXHAUSTED).
+
+  required_bytes: what the message says the program needs (None when it does not say;
+  a lower bound when it names the temporaries only); available_bytes: the HBM the
+  compiler allows a program (a little under the chip's: it reserves some).
+  """
+
+  def __init__(self, message: str, required_bytes: Optional[int],
+               available_bytes: Optional[int]):
+    super().__init__(message)
+    self.required_bytes, self.available_bytes = required_bytes, available_bytes
+
+
+def _size(text: str) -> int:
+  """'17.53G' -> bytes (XLA prints binary units)."""
+  m = re.fullmatch(r"([\d.]+)\s*([KMGT]?)i?B?", text.strip())
+  return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else 0
+
+
+def over_memory(error: BaseException) -> Optional[OverMemory]:
+  """OverMemory from a compile error that says the program does not fit HBM, else None.
+
+  Reads 'Used 17.53G of 15.75G hbm' and '... required for HLO temporaries (48.00G)
+  exceeds available HBM (15.75G)', the two forms libtpu's compiler writes.
+  """
+  text = str(error)
+  if "RESOURCE_EXHAUSTED" not in text or not re.search(r"(?i)memory|hbm", text):
+    return None
+  used = re.search(r"Used ([\d.]+[KMGT]?B?) of ([\d.]+[KMGT]?B?) hbm", text)
+  temps = re.search(r"\(([\d.]+[KMGT]?B?)\) exceeds available HBM \(([\d.]+[KMGT]?B?)\)",
+                    text)
+  found = used or temps
+  return OverMemory(text.strip().splitlines()[0], _size(found.group(1)) if found else None,
+                    _size(found.group(2)) if found else None)
 
 
 def row_step(batch_shards: int, microbatches: int) -> int:
@@ -35,7 +74,8 @@ def row_step(batch_shards: int, microbatches: int) -> int:
 
 def train_step_compiler(phase, model, optimizer, schedule, mesh, rules, vocab) -> CompileRows:
   """rows -> the compiled train step's total bytes per device (memory_analysis) for a
-  global batch of rows x (data x fsdp) of phase's objective on `mesh`."""
+  global batch of rows x (data x fsdp) of phase's objective on `mesh`; OverMemory when
+  the compiler refuses it for HBM."""
   shards = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
   microbatches = int(phase.config.train.microbatches or 1)
 
@@ -43,8 +83,14 @@ def train_step_compiler(phase, model, optimizer, schedule, mesh, rules, vocab) -
     config = ml_collections.ConfigDict(phase.config.to_dict())
     config.train.batch_size = rows * shards
     shapes = batch_shapes_for(config, vocab)
-    xla = compiled_lib.compile_train_step(model, optimizer, schedule, mesh, rules, shapes,
-                                          microbatches, eval_step=False)
+    try:
+      xla = compiled_lib.compile_train_step(model, optimizer, schedule, mesh, rules, shapes,
+                                            microbatches, eval_step=False)
+    except Exception as e:
+      refused = over_memory(e)
+      if refused is None:
+        raise
+      raise refused from e
     return int(xla["memory"]["total_bytes"])
 
   return compile_rows
@@ -63,16 +109,21 @@ def search(compile_rows: CompileRows, rows0: int, total0: int, memory_bytes: int
   """The largest rows (a multiple of `step`) whose compiled total <= memory_bytes.
 
   rows0, total0: the configured rows per device and the compiler's total there (already
-  compiled). deadline: time.monotonic() by which compiles must end: none starts that the
-  last one's duration would carry past it (the result then says 'stopped'). Returns {rows, total_bytes, compiles (beyond the first),
-  predicted_rows, line: {a, b}, tried: [{rows, total_bytes, fits}], next_over, seconds,
-  stopped}: rows is the largest tried rows that fit (0 when none), next_over the
-  smallest tried rows above it that does not (None when none was tried).
+  compiled). compile_rows raising OverMemory counts as does-not-fit (its required bytes,
+  when given, serve the line; its available bytes lower memory_bytes). deadline:
+  time.monotonic() by which compiles must end: none starts that the last one's duration
+  would carry past it (the result then says 'stopped'). Returns {rows, total_bytes,
+  compiles (beyond the first), predicted_rows, line: {a, b}, tried: [{rows, total_bytes,
+  fits, refused}], next_over, limit_bytes, seconds, stopped}: rows is the largest tried
+  rows that fit (0 when none), next_over the smallest tried rows above it that does not
+  (None when none was tried).
   """
   start = time.monotonic()
-  tried = {rows0: total0}
+  tried = {rows0: total0}  # rows -> total bytes (None: refused, its need unknown)
+  refused = set()  # rows the compiler refused for HBM (then tried[rows] is a lower bound)
   order = [rows0]
-  fits = lambda rows: tried[rows] <= memory_bytes
+  limit = [memory_bytes]  # lowered to what the compiler says it allows, once it says
+  fits = lambda rows: rows not in refused and tried[rows] <= limit[0]
   stopped = None
 
   last = [0.0]  # the last compile's seconds: a compile that would end past deadline waits
@@ -85,18 +136,24 @@ def search(compile_rows: CompileRows, rows0: int, total0: int, memory_bytes: int
       stopped = f"time budget spent before compiling {rows} rows"
       return False
     began = time.monotonic()
-    tried[rows] = compile_rows(rows)
+    try:
+      tried[rows] = compile_rows(rows)
+    except OverMemory as e:
+      tried[rows] = e.required_bytes
+      refused.add(rows)
+      if e.available_bytes:
+        limit[0] = min(limit[0], e.available_bytes)
     last[0] = time.monotonic() - began
     order.append(rows)
     return True
 
   second = 2 * rows0 if fits(rows0) else (rows0 // 2) // step * step
   predicted, line = None, None
-  if second >= step and measure(second):
+  if second >= step and measure(second) and tried[second] is not None and total0 is not None:
     a, b = _line((rows0, total0), (second, tried[second]))
     line = {"a": a, "b": b}
     if b > 0:
-      predicted = int(math.floor((memory_bytes - a) / b)) // step * step
+      predicted = int(math.floor((limit[0] - a) / b)) // step * step
       rows, confirms = predicted, 0
       while rows >= step and confirms < max_confirm:
         best = max((r for r in tried if fits(r)), default=0)
@@ -107,14 +164,25 @@ def search(compile_rows: CompileRows, rows0: int, total0: int, memory_bytes: int
           break
         confirms += new
         if fits(rows):
-          break
+          # Memory grows slower than the line at large batches (XLA reuses buffers): with
+          # room left, a second line through the two largest fits predicts further.
+          if confirms >= max_confirm or limit[0] - tried[rows] <= 0.05 * limit[0]:
+            break
+          lower = max(r for r in tried if fits(r) and r < rows)
+          a2, b2 = _line((lower, tried[lower]), (rows, tried[rows]))
+          further = int(math.floor((limit[0] - a2) / b2)) // step * step if b2 > 0 else 0
+          if further <= rows:
+            break
+          rows = further
+          continue
         rows = min(int(rows * 0.9), rows - step) // step * step
   best = max((r for r in tried if fits(r)), default=0)
   over = min((r for r in tried if r > best and not fits(r)), default=None)
   return {"rows": best, "total_bytes": tried.get(best), "compiles": len(order) - 1,
           "predicted_rows": predicted, "line": line, "next_over": over,
-          "tried": [{"rows": r, "total_bytes": tried[r], "fits": fits(r)} for r in order],
-          "seconds": time.monotonic() - start, "stopped": stopped}
+          "tried": [{"rows": r, "total_bytes": tried[r], "fits": fits(r),
+                     "refused": r in refused} for r in order],
+          "limit_bytes": limit[0], "seconds": time.monotonic() - start, "stopped": stopped}
 
 
 def phase_fitter(model, optimizer, schedule, mesh, rules, vocab, memory_bytes: int,

@@ -17,8 +17,8 @@ Temporaries, at the higher of two peaks:
                 at the per-device (micro)batch with 1 and 2 layers and extrapolated to the
                 config's depth
   backward      the working set inside one layer's backward: two cotangents the size of
-                its largest activation (attention scores and probabilities) and, with
-                remat, the layer's recomputed forward
+                its largest activation (attention scores and probabilities, unless the
+                fused kernel keeps none) and, with remat, the layer's recomputed forward
   logits        the logits/loss buffers: the saved [rows, vocab] softmax terms, and two
                 float32 [rows, vocab] buffers (the logits gradient and the float32
                 logits or softmax it is computed from)
@@ -29,7 +29,10 @@ Temporaries, at the higher of two peaks:
   update        two float32 temporaries the size of the params (the clipped gradient
                 and the update) besides the gradients
 
-Dims sharded over 'tensor' (heads, mlp, vocab) divide their activations by its size.
+The residuals are traced with the attention kernel the step will run on the plan's
+platform (attention_core.tracing_for): on a TPU the fused kernel keeps row statistics,
+not [B, N, T, S] probabilities. Dims sharded over 'tensor' (heads, mlp, vocab) divide
+their activations by its size.
 Calibrated against XLA's memory analysis on CPU meshes (tests/test_plan.py): within
 ~25% for BERT, GPT-2 and T5 shapes, remat none / full / dots, AdamW and Adafactor.
 """

@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -100,7 +101,7 @@ def row_json(recipe: Recipe, plan: dict, seconds: float) -> dict:
       "kernels": x["kernels"], "attention_kernel": attention_kernel(x["kernels"]),
       "fit_batch": fit and {k: fit[k] for k in ("rows", "total_bytes", "compiles",
                                                 "predicted_rows", "next_over", "tried",
-                                                "seconds", "stopped")},
+                                                "limit_bytes", "seconds", "stopped")},
       "seconds": {"plan_compile": x["compile_seconds"],
                   "fit": fit["seconds"] if fit else 0.0, "row": seconds},
       "error": None,
@@ -116,10 +117,12 @@ def _collectives(collectives: dict) -> str:
 
 def _fit_cell(row: dict) -> str:
   fit = row["fit_batch"]
-  if not fit:
+  if not fit or row.get("fit_skipped"):
     return row.get("fit_skipped") or "not searched"
   if not fit["rows"]:
     found = "none fits"
+  elif fit.get("next_over") is None:  # no larger batch was compiled: a lower bound
+    found = f"at least {fit['rows']} ({human_bytes(fit['total_bytes'])} there)"
   else:
     found = f"{fit['rows']} ({human_bytes(fit['total_bytes'])})"
   extra = f"; stopped: {fit['stopped']}" if fit["stopped"] else ""
@@ -132,43 +135,81 @@ def format_row(row: dict) -> list[str]:
   phase = "-" if row["phase"] is None else str(row["phase"] + 1)
   slice_ = row["slice"] + (" (documented)" if row["documented"] else "")
   if row.get("error"):
+    first = row["error"].strip().splitlines()[0]  # the rest: in the JSON line
     return [recipe, f"{phase} / {row.get('length', '?')}", slice_,
-            f"error: {row['error']}"] + [""] * (len(COLUMNS) - 4)
+            f"error: {first}"] + [""] * (len(COLUMNS) - 4)
   fits = "fits" if row["fits"] else "**does not fit**"
   memory = (f"{row['xla_total_bytes'] / GiB:.2f} / {row['memory_bytes'] / GiB:.0f} GiB,"
             f" {fits}")
-  return [recipe, f"{phase} / {row['length']}", slice_,
-          f"{row['per_device_batch']} (global {row['global_batch']})", memory,
+  batch = f"{row['per_device_batch']} (global {row['global_batch']})"
+  refused = row.get("refused")
+  if refused:  # the compiler refused the configured batch; the numbers are at half
+    shards = row["global_batch"] // row["per_device_batch"]
+    need = (f" (needs >= {refused['required_bytes'] / GiB:.2f} GiB)"
+            if refused.get("required_bytes") else "")
+    memory = (f"**does not fit** at {refused['global_batch'] // shards} rows: the compiler"
+              f" refuses it{need}; at {row['per_device_batch']} rows"
+              f" {row['xla_total_bytes'] / GiB:.2f} / {row['memory_bytes'] / GiB:.0f} GiB")
+    batch = f"{refused['global_batch'] // shards} (global {refused['global_batch']})"
+  return [recipe, f"{phase} / {row['length']}", slice_, batch, memory,
           f"{row['estimate_ratio']:.2f}", _collectives(row["collectives"]),
-          row["attention_kernel"], _fit_cell(row)]
+          row["attention_kernel"] + (f"; {row['note']}" if row.get("note") else ""),
+          _fit_cell(row)]
 
 
 def format_table(rows: list[dict]) -> str:
   """A markdown table of rows (row_json's dicts), in the order given."""
   lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-  lines += ["| " + " | ".join(c.replace("|", "/") for c in format_row(r)) + " |"
-            for r in rows]
+  cell = lambda c: " ".join(c.split()).replace("|", "/")  # one line per row
+  lines += ["| " + " | ".join(cell(c) for c in format_row(r)) + " |" for r in rows]
   return "\n".join(lines)
 
 
 def run_recipe(recipe: Recipe, fit: bool = True, fit_budget_s: float = 20 * 60) -> dict:
-  """Compile one row (and search its batch within fit_budget_s of the row's start)."""
+  """Compile one row (and search its batch within fit_budget_s of the row's start).
+
+  Two refusals are findings, kept in the row while its numbers come from a step that
+  compiles: Mosaic refusing the Pallas kernel on the chip ('note'; then attention runs
+  as XLA ops) and the compiler refusing the configured batch for HBM ('refused'; then
+  the row is compiled at half the batch, and the search starts there).
+  """
+  from t5x_like.plan.fit import over_memory
   from t5x_like.plan.report import make_plan
   from t5x_like.plan.topology import parse_topology
   from t5x_like.train.defaults import load_config_file
   start = time.monotonic()
   config = phase_config(load_config_file(recipe.config), recipe.phase)
   topology = parse_topology(recipe.slice, config.model.dtype)
-  try:
-    plan = make_plan(config, topology, compile_step="yes", eval_step=False, fit_batch=fit,
-                     fit_budget_s=fit_budget_s)
-  except Exception as e:  # a row's failure is a finding: keep the others going
-    traceback.print_exc()
-    return {"name": recipe.name, "config": recipe.config, "phase": recipe.phase,
-            "length": int(config.data.length), "slice": recipe.slice,
-            "documented": recipe.documented, "error": f"{type(e).__name__}: {e}",
-            "seconds": {"row": time.monotonic() - start}}
+  note, refused = None, None
+  while True:
+    try:
+      plan = make_plan(config, topology, compile_step="yes", eval_step=False,
+                       fit_batch=fit, fit_budget_s=fit_budget_s)
+      break
+    except Exception as e:  # a row's failure is a finding: keep the others going
+      traceback.print_exc()
+      error = f"{type(e).__name__}: {e}"
+      code = re.search(r"E\d+: \w+", error)
+      over = over_memory(e)
+      if "Mosaic failed" in error and config.model.attention_impl == "auto":
+        note = (f"the Pallas kernel does not compile for {recipe.slice}"
+                f" ({code.group(0) if code else error.splitlines()[0]}); compiled with"
+                f" model.attention_impl='explicit'")
+        config.model.attention_impl = "explicit"
+      elif over is not None and refused is None and config.train.batch_size > 1:
+        refused = {"global_batch": int(config.train.batch_size), "message": str(over),
+                   "required_bytes": over.required_bytes,
+                   "available_bytes": over.available_bytes}
+        config.train.batch_size = int(config.train.batch_size) // 2
+      else:
+        return {"name": recipe.name, "config": recipe.config, "phase": recipe.phase,
+                "length": int(config.data.length), "slice": recipe.slice,
+                "documented": recipe.documented, "error": error, "note": note,
+                "refused": refused, "seconds": {"row": time.monotonic() - start}}
   row = row_json(recipe, plan, time.monotonic() - start)
+  row["note"], row["refused"] = note, refused
+  if refused:  # the configured batch does not fit: the row's numbers are at half of it
+    row["fits"] = False
   if not fit:
     row["fit_skipped"] = "skipped (--no-fit)"
   elif row["fit_batch"]["stopped"] and not row["fit_batch"]["compiles"]:
@@ -196,8 +237,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                            ", ".join(r.name for r in RECIPES))
   parser.add_argument("--json", metavar="OUT.jsonl", help="append one JSON line per row")
   parser.add_argument("--resume-from", metavar="IN.jsonl",
-                      help="skip the rows this file holds (without an error); they stay"
-                           " in the table")
+                      help="skip the rows this file holds (errors too: a compiler's"
+                           " refusal is a finding); they stay in the table")
   parser.add_argument("--markdown", metavar="OUT.md", help="also write the table here,"
                       " rewritten after every row")
   parser.add_argument("--no-fit", action="store_true", help="skip the batch search")
@@ -208,7 +249,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                         for p in args.only)]
   if not recipes:
     parser.error(f"--only {' '.join(args.only)}: no such rows")
-  done = {k: v for k, v in _read_rows(args.resume_from).items() if not v.get("error")}
+  done = _read_rows(args.resume_from)
 
   from t5x_like.plan.tpu import quiet_backend_init
   quiet_backend_init()

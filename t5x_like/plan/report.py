@@ -240,5 +240,5 @@ def make_plan(config: ml_collections.ConfigDict, topology: Topology, **options) 
   """The plan of `config` on `topology` (_make_plan), with every trace of the model
   (parameter shapes, the estimate's residuals, the compiled steps) choosing its
   attention kernel for the topology's platform, not this host's."""
-  with tracing_for(topology.platform):
+  with tracing_for(topology.platform, topology.device_kind):
     return _make_plan(config, topology, **options)

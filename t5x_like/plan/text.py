@@ -182,11 +182,15 @@ def _phase(phase: dict, plan: dict) -> list[str]:
 def _fit_batch(fit: dict, plan: dict) -> list[str]:
   """plan/fit.py's search: the largest per-device batch whose train step fits."""
   limit = human_bytes(plan["topology"]["memory_bytes_per_device"])
-  tried = ", ".join(f"{t['rows']} -> {human_bytes(t['total_bytes'])}"
-                    + ("" if t["fits"] else " (over)") for t in fit["tried"])
+  tried = ", ".join(f"{t['rows']} -> " + (
+      "refused by the compiler" if t["total_bytes"] is None else
+      human_bytes(t["total_bytes"]) + ("" if t["fits"] else
+                                       " (refused: over)" if t.get("refused") else " (over)"))
+      for t in fit["tried"])
   if fit["rows"]:
-    found = (f"{fit['rows']} rows per device (global {fit['global_batch']}), train step"
-             f" {human_bytes(fit['total_bytes'])} of {limit}")
+    bound = "" if fit["next_over"] is not None else "at least "  # nothing larger tried
+    found = (f"{bound}{fit['rows']} rows per device (global {fit['global_batch']}), train"
+             f" step {human_bytes(fit['total_bytes'])} of {limit}")
   else:
     found = f"none: even the smallest batch tried is over {limit}"
   line = fit["line"]

@@ -65,7 +65,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: Optional[int] = Non
   _check_finite(config, "")
   if not 0 <= config.seed < 2**31:
     raise ConfigError(f"seed={config.seed}: must be in [0, 2**31)")
-  model_cfg = _check_model(config, vocab_size, platform or jax.default_backend())
+  device_kind = "" if platform else jax.devices()[0].device_kind
+  model_cfg = _check_model(config, vocab_size, platform or jax.default_backend(), device_kind)
   _check_data(config, model_cfg)
   _check_train(config)
   _check_optimizer(config)
@@ -130,7 +131,8 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
 
 
 # -------------------------------------------------------------------------- model
-def _check_model(config, vocab_size: Optional[int], platform: str) -> ModelConfig:
+def _check_model(config, vocab_size: Optional[int], platform: str,
+                 device_kind: str = "") -> ModelConfig:
   m = config.model
   _choice("model.preset", m.preset, PRESETS)
   _choice("model.dtype", m.dtype, DTYPES)
@@ -158,7 +160,8 @@ def _check_model(config, vocab_size: Optional[int], platform: str) -> ModelConfi
   try:  # a configured fused kernel must run here (auto always can)
     choose_kernel(cfg.attention_impl, backend=platform, dtype=cfg.dtype,
                   head_dim=cfg.dim_per_head, q_len=config.data.length,
-                  kv_len=config.data.length, dropout=cfg.attention_dropout_rate > 0)
+                  kv_len=config.data.length, dropout=cfg.attention_dropout_rate > 0,
+                  device_kind=device_kind)
   except ValueError as e:
     raise ConfigError(f"model.{e}") from None
   return cfg
