@@ -9,7 +9,10 @@ Rows are per device: the global batch is rows x (mesh data x fsdp), set through 
 phase's config.train.batch_size, so the objective gives every feature its shape. The
 search fits memory = a + b * rows through two compiles (the configured rows and twice
 or half of them), predicts r* = floor((memory - a) / b) and compiles r* to confirm it,
-stepping down 10% when it does not fit (at most two confirmations). Only the train
+stepping down 10% when it does not fit, or, when it fits with over 5% of the memory
+left, predicting again from the line through the two largest fits (at most two
+confirmations). A program over HBM may also be refused by libtpu's compiler
+(RESOURCE_EXHAUSTED): that counts as does-not-fit. Only the train
 step is compiled: it holds the optimizer state and the backward pass, so it is the
 larger of the two.
 """
