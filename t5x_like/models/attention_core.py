@@ -72,35 +72,36 @@ def _probs(q, k, bias, mask, scale):
   return jax.nn.softmax(logits, axis=-1).reshape(b, kv, n // kv, t, s)
 
 
-def _dropped(p, keep, dtype):
-  """Probabilities [B, K, G, T, S] times the dropout multiplier [B, N, T, S], in dtype."""
+def _dropped(p, keep, keep_scale, dtype):
+  """Probabilities [B, K, G, T, S] times the dropout multiplier keep [B, N, T, S] times
+  keep_scale (float32: 1 / (1 - rate) is not rounded to 16 bits), in dtype."""
   if keep is None:
     return p.astype(dtype)
-  return (p * keep.reshape(p.shape).astype(jnp.float32)).astype(dtype)
+  return (p * (keep.reshape(p.shape).astype(jnp.float32) * keep_scale)).astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _explicit(q, k, v, bias, mask, keep, scale):
-  return _explicit_fwd(q, k, v, bias, mask, keep, scale)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _explicit(q, k, v, bias, mask, keep, scale, keep_scale):
+  return _explicit_fwd(q, k, v, bias, mask, keep, scale, keep_scale)[0]
 
 
-def _explicit_fwd(q, k, v, bias, mask, keep, scale):
+def _explicit_fwd(q, k, v, bias, mask, keep, scale, keep_scale):
   dtype = q.dtype
   p = _probs(q, k, bias, mask, scale)
-  out = _einsum("bkgts,bskh->btkgh", _dropped(p, keep, dtype), v)
+  out = _einsum("bkgts,bskh->btkgh", _dropped(p, keep, keep_scale, dtype), v)
   out = out.reshape(q.shape).astype(dtype)
   return out, (q, k, v, p.astype(dtype), bias, mask, keep)
 
 
-def _explicit_bwd(scale, residuals, g_BxTxNxH):
+def _explicit_bwd(scale, keep_scale, residuals, g_BxTxNxH):
   q, k, v, p, bias, mask, keep = residuals
   dtype = q.dtype
   kv = k.shape[2]
   g = _grouped(g_BxTxNxH.astype(dtype), kv)
-  dv = _einsum("bkgts,btkgh->bskh", _dropped(p, keep, dtype), g)
+  dv = _einsum("bkgts,btkgh->bskh", _dropped(p, keep, keep_scale, dtype), g)
   dp = _einsum("btkgh,bskh->bkgts", g, v)  # float32
   if keep is not None:
-    dp = dp * keep.reshape(dp.shape).astype(jnp.float32)
+    dp = dp * (keep.reshape(dp.shape).astype(jnp.float32) * keep_scale)
   p32 = p.astype(jnp.float32)
   ds = p32 * (dp - jnp.sum(dp * p32, axis=-1, keepdims=True))  # d logits, float32
   ds_lp = ds.astype(dtype)
@@ -262,8 +263,9 @@ def attend(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, *,
         bias=None if bias is None else bias.astype(dtype))
   if dense is not None:
     dense = dense.astype(bool)
-  if keep is None and dropout:
+  keep_scale = 1.0
+  if keep is None and dropout:  # 0 / 1 in the compute dtype (exact), scaled in float32
     keep = dropout_hash.keep_mask(dropout_hash.dropout_seeds(dropout_rng), dropout_rate,
-                                  batch=b, heads=n, q_len=t, kv_len=s)
-    keep = keep.astype(dtype) / jnp.asarray(1.0 - dropout_rate, dtype)
-  return _explicit(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias, dense, keep, scale)
+                                  batch=b, heads=n, q_len=t, kv_len=s).astype(dtype)
+    keep_scale = 1.0 / (1.0 - dropout_rate)
+  return _explicit(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias, dense, keep, scale, keep_scale)

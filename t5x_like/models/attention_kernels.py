@@ -144,10 +144,7 @@ def _mesh_axes(spec_entry) -> tuple[str, ...]:
 def _shard_axes(mesh, rules_axes: tuple[str, ...], size: int) -> tuple[str, ...]:
   """The mesh axes of a logical dim that split `size` evenly (else none: replicated)."""
   axes = tuple(a for a in rules_axes if mesh.shape[a] > 1)
-  ways = 1
-  for a in axes:
-    ways *= mesh.shape[a]
-  return axes if axes and size % ways == 0 else ()
+  return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else ()
 
 
 def _sharding_plan(b: int, n: int, kv_heads: int):
