@@ -26,8 +26,9 @@ Kernels (config.attention_impl; attention_kernels.py holds the fused ones):
 "auto" picks per platform and call (choose_kernel). The platform is the one the step is
 compiled for: the devices of the mesh being traced under (a TPU slice compiled from a
 CPU host picks TPU kernels), else jax.default_backend(); and their generation (Mosaic
-compiles no bf16 matmul for TPU v2/v3, so 'auto' takes the explicit kernel there). `record_kernels()` collects each
-attention's choice and the reason for it while a model is traced (bench model prints it).
+compiles no bf16 matmul for TPU v2/v3, so 'auto' takes the explicit kernel there).
+`record_kernels()` collects each attention's choice and the reason for it while a model
+is traced (bench model prints it).
 """
 
 from __future__ import annotations
