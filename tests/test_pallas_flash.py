@@ -2,7 +2,6 @@
 values and gradients (q, k, v, bias) in interpret mode on CPU, and a deviceless
 compile for a TPU with libtpu (Mosaic lowering)."""
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -159,13 +158,8 @@ def test_compiles_for_tpu():
   """Deviceless AOT compile (Mosaic) for a v5e of forward + grads: bf16, dropout with
   traced offsets, a batch-1 bias, segments, causal."""
   pytest.importorskip("libtpu")
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  from jax.experimental import topologies  # noqa: PLC0415
-  try:
-    devs = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu").devices
-  except Exception as e:  # noqa: BLE001  (libtpu held by another process, etc.)
-    pytest.skip(f"no deviceless TPU topology: {e}")
-  mesh = jax.sharding.Mesh(np.array(devs[:1]), ("x",))
+  from t5x_like.plan import tpu  # noqa: PLC0415
+  mesh = jax.sharding.Mesh(np.array(tpu.slice_devices("v5e-4")[:1]), ("x",))
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
   b, n, kv, t, h = 2, 4, 2, 512, 64
