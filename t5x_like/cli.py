@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -213,11 +214,42 @@ def _reexec_with_huge_pages() -> None:
   os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
+def _pci_vendor_present(vendor: str) -> bool:
+  """Whether a PCI device of `vendor` ('0x1ae0': Google's TPUs) is on this host."""
+  root = "/sys/bus/pci/devices"
+  try:
+    names = os.listdir(root)
+  except OSError:
+    return False
+  for name in names:
+    try:
+      with open(os.path.join(root, name, "vendor")) as f:
+        if f.read().strip() == vendor:
+          return True
+    except OSError:
+      continue
+  return False
+
+
+def _leave_out_absent_tpu() -> None:
+  """Sets JAX_PLATFORMS=cpu where libtpu is installed (the tpu and test extras) but the
+  host has no TPU chip and no NVIDIA GPU, and JAX_PLATFORMS is unset: jax would otherwise
+  start libtpu's backend, which prints a page of errors before jax falls back to the CPU.
+  The PCI check is the one jax's hardware_utils makes; compiling for a TPU slice
+  (`plan --compile`) needs no TPU backend."""
+  if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None:
+    return
+  if _pci_vendor_present("0x1ae0") or _pci_vendor_present("0x10de"):
+    return
+  os.environ["JAX_PLATFORMS"] = "cpu"
+
+
 def main(argv=None) -> int:
   """Runs `t5x-like argv...`; the exit status: 0 done, 2 a user error (one line on
   stderr, no traceback unless --debug), 1 a failure, 130 interrupted."""
   if argv is None:  # the console command, not an in-process call
     _reexec_with_huge_pages()
+    _leave_out_absent_tpu()
   argv = sys.argv[1:] if argv is None else list(argv)
   debug = command_flags.debug_requested(argv)
   argv = [a for a in argv if a != "--debug"]

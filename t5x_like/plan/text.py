@@ -9,7 +9,8 @@ _STATE_LABELS = (("params", "params (float32)"), ("opt_state", "optimizer state"
 _BACKWARD_LABELS = (("activations", "activations saved for backward"),
                     ("backward", "one layer's backward working set"),
                     ("logits", "logits / loss buffers"),
-                    ("gathered", "FSDP-gathered weights"))
+                    ("gathered", "FSDP-gathered weights"),
+                    ("cast_weights", "compute-dtype copy of the layers' weights"))
 
 
 def human_bytes(n: float) -> str:
