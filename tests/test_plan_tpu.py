@@ -224,6 +224,31 @@ def test_search_predicts_again_when_memory_grows_slower_than_its_line():
   assert (found["rows"], found["total_bytes"], found["next_over"]) == (164, 1000, None)
 
 
+def test_a_stopped_search_resumed_ends_where_one_whole_search_ends(monkeypatch):
+  """A search whose time budget ran out after its second compile (each compile takes
+  100 s of a fake clock, the deadline is at 150 s), resumed from its result (recipes
+  --continue-fits), compiles only the sizes it had not and finds what one uninterrupted
+  search finds (the memory of the first search test above)."""
+  total = lambda rows: 100 + 10 * rows + (25 if rows >= 40 else 0)
+  whole = fit.search(total, 8, total(8), memory_bytes=530)
+  clock, calls = [0.0], []
+  monkeypatch.setattr(fit.time, "monotonic", lambda: clock[0])
+
+  def compile_rows(rows):
+    calls.append(rows)
+    clock[0] += 100
+    return total(rows)
+
+  stopped = fit.search(compile_rows, 8, total(8), memory_bytes=530, deadline=150)
+  assert calls == [16] and stopped["stopped"] == "time budget spent before compiling 43 rows"
+  assert (stopped["rows"], stopped["next_over"]) == (16, None)
+  calls.clear()
+  resumed = fit.search(compile_rows, 8, total(8), memory_bytes=530, resume=stopped)
+  assert calls == [43, 38] and resumed["stopped"] is None
+  for key in ("rows", "total_bytes", "next_over", "predicted_rows", "compiles", "tried"):
+    assert resumed[key] == whole[key], key
+
+
 def test_search_halves_an_over_batch_and_keeps_to_the_microbatch_step():
   found = fit.search(lambda rows: 10 * rows, 16, 160, memory_bytes=125, step=4)
   assert [t["rows"] for t in found["tried"]] == [16, 8, 12]
@@ -326,3 +351,32 @@ def test_recipe_rows_format_as_markdown_cells():
   assert len(table) == 4 and {line.count("|") for line in table} == {len(recipes.COLUMNS) + 1}
   assert [r.name for r in recipes.RECIPES][:2] == ["bert-base/128@v3-32",
                                                    "bert-base/128@v5e-16"]
+
+
+def test_continue_fits_reruns_only_the_rows_whose_search_stopped(tmp_path, monkeypatch,
+                                                                  capsys):
+  """`recipes --resume-from F --continue-fits`: a finished row stays as it was, a row
+  whose search stopped on the time budget is run again, going on from its search."""
+  stopped = {"rows": 32, "total_bytes": 9 << 30, "compiles": 1, "next_over": None,
+             "tried": [{"rows": 16, "total_bytes": 6 << 30, "fits": True, "refused": False},
+                       {"rows": 32, "total_bytes": 9 << 30, "fits": True, "refused": False}],
+             "limit_bytes": 16 << 30, "stopped": "time budget spent before compiling 47 rows"}
+  done = _recipe_row()
+  halted = _recipe_row(name="bert-base/512@v5e-16", fit_batch=stopped)
+  prior = tmp_path / "rows.jsonl"
+  prior.write_text(json.dumps(done) + "\n" + json.dumps(halted) + "\n")
+  runs = []
+
+  def run_recipe(recipe, fit, fit_budget_s, fit_resume):
+    runs.append((recipe.name, fit_resume))
+    return _recipe_row(name=recipe.name, fit_batch={**stopped, "stopped": None,
+                                                    "next_over": 48, "rows": 47})
+
+  monkeypatch.setattr(recipes, "run_recipe", run_recipe)
+  argv = ["--only", "bert-base/128@v5e-16", "bert-base/512@v5e-16", "--resume-from",
+          str(prior)]
+  assert recipes.main(argv) == 0 and runs == []  # without --continue-fits: both kept
+  assert recipes.main(argv + ["--continue-fits", "--json", str(prior)]) == 0
+  assert runs == [("bert-base/512@v5e-16", stopped)]
+  assert recipes._read_rows(str(prior))["bert-base/512@v5e-16"]["fit_batch"]["rows"] == 47
+  assert "112 (15.00 GiB)" in capsys.readouterr().out

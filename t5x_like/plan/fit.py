@@ -107,15 +107,17 @@ def _line(p: tuple[int, int], q: tuple[int, int]) -> tuple[float, float]:
 
 
 def search(compile_rows: CompileRows, rows0: int, total0: int, memory_bytes: int, *,
-           step: int = 1, max_confirm: int = 2,
-           deadline: Optional[float] = None) -> dict:
+           step: int = 1, max_confirm: int = 2, deadline: Optional[float] = None,
+           resume: Optional[dict] = None) -> dict:
   """The largest rows (a multiple of `step`) whose compiled total <= memory_bytes.
 
   rows0, total0: the configured rows per device and the compiler's total there (already
   compiled). compile_rows raising OverMemory counts as does-not-fit (its required bytes,
   when given, serve the line; its available bytes lower memory_bytes). deadline:
   time.monotonic() by which compiles must end: none starts that the last one's duration
-  would carry past it (the result then says 'stopped'). Returns {rows, total_bytes,
+  would carry past it (the result then says 'stopped'). resume: an earlier result of this
+  search (one that stopped): its compiled sizes and limit count as known, so the search
+  goes on where it stopped without compiling them again. Returns {rows, total_bytes,
   compiles (beyond the first), predicted_rows, line: {a, b}, tried: [{rows, total_bytes,
   fits, refused}], next_over, limit_bytes, seconds, stopped}: rows is the largest tried
   rows that fit (0 when none), next_over the smallest tried rows above it that does not
@@ -126,6 +128,14 @@ def search(compile_rows: CompileRows, rows0: int, total0: int, memory_bytes: int
   refused = set()  # rows the compiler refused for HBM (then tried[rows] is a lower bound)
   order = [rows0]
   limit = [memory_bytes]  # lowered to what the compiler says it allows, once it says
+  for t in (resume or {}).get("tried", []):
+    if t["rows"] not in tried:
+      tried[t["rows"]] = t["total_bytes"]
+      order.append(t["rows"])
+    if t["refused"]:
+      refused.add(t["rows"])
+  if resume:
+    limit[0] = min(limit[0], resume["limit_bytes"])
   fits = lambda rows: rows not in refused and tried[rows] <= limit[0]
   stopped = None
 
@@ -189,9 +199,11 @@ def search(compile_rows: CompileRows, rows0: int, total0: int, memory_bytes: int
 
 
 def phase_fitter(model, optimizer, schedule, mesh, rules, vocab, memory_bytes: int,
-                 deadline: Optional[float] = None) -> Callable[..., dict]:
+                 deadline: Optional[float] = None,
+                 resume: Optional[dict] = None) -> Callable[..., dict]:
   """(phase, total0) -> search()'s result for that phase, where total0 is the compiler's
-  total of the train step at the phase's configured batch (make_plan's compile)."""
+  total of the train step at the phase's configured batch (make_plan's compile);
+  resume: an earlier search's result to go on from (see search)."""
   shards = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
 
   def fit(phase, total0: int) -> dict:
@@ -199,7 +211,7 @@ def phase_fitter(model, optimizer, schedule, mesh, rules, vocab, memory_bytes: i
     step = row_step(shards, int(phase.config.train.microbatches or 1))
     compile_rows = train_step_compiler(phase, model, optimizer, schedule, mesh, rules, vocab)
     out = search(compile_rows, batch // shards, total0, memory_bytes, step=step,
-                 deadline=deadline)
+                 deadline=deadline, resume=resume)
     out["configured_rows"] = batch // shards
     out["global_batch"] = out["rows"] * shards
     return out

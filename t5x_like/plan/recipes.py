@@ -1,13 +1,16 @@
 """The README table "The recipes on TPU, compiled here": every shipped pretraining recipe
 at its documented slice and one current slice, compiled for it on this host by libtpu.
 
-  python -m t5x_like.plan.recipes [--only NAME ...] [--json OUT.jsonl] [--resume-from F]
+  python -m t5x_like.plan.recipes [--only NAME ...] [--json OUT.jsonl] [--resume-from F
+                                  [--continue-fits]]
 
 Each row is one phase of one recipe on one slice: make_plan (report.py) compiles its
 train step (not the eval step) and, with the row's time left, searches the largest
 per-device batch that fits (fit.py). The markdown table goes to stdout (and --markdown
 FILE after every row); --json appends one JSON line per row as it finishes, so a
-stopped run keeps its rows, and --resume-from skips the rows a file already holds.
+stopped run keeps its rows, and --resume-from skips the rows a file already holds; with
+--continue-fits it reruns those whose batch search stopped on its time budget, the search
+going on from the sizes it compiled.
 Minutes per row on a small host: this is a command to run once per release, not a test.
 """
 
@@ -165,8 +168,10 @@ def format_table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def run_recipe(recipe: Recipe, fit: bool = True, fit_budget_s: float = 20 * 60) -> dict:
-  """Compile one row (and search its batch within fit_budget_s of the row's start).
+def run_recipe(recipe: Recipe, fit: bool = True, fit_budget_s: float = 20 * 60,
+               fit_resume: Optional[dict] = None) -> dict:
+  """Compile one row (and search its batch within fit_budget_s of the row's start, going
+  on from fit_resume, an earlier row's stopped search, when given).
 
   Two refusals are findings, kept in the row while its numbers come from a step that
   compiles: Mosaic refusing the Pallas kernel on the chip ('note'; then attention runs
@@ -184,7 +189,7 @@ def run_recipe(recipe: Recipe, fit: bool = True, fit_budget_s: float = 20 * 60) 
   while True:
     try:
       plan = make_plan(config, topology, compile_step="yes", eval_step=False,
-                       fit_batch=fit, fit_budget_s=fit_budget_s)
+                       fit_batch=fit, fit_budget_s=fit_budget_s, fit_resume=fit_resume)
       break
     except Exception as e:  # a row's failure is a finding: keep the others going
       traceback.print_exc()
@@ -217,6 +222,12 @@ def run_recipe(recipe: Recipe, fit: bool = True, fit_budget_s: float = 20 * 60) 
   return row
 
 
+def stopped_search(row: Optional[dict]) -> Optional[dict]:
+  """A row's batch search when it stopped on the time budget (to go on from), else None."""
+  fit = (row or {}).get("fit_batch")
+  return fit if fit and fit.get("stopped") and not row.get("error") else None
+
+
 def _read_rows(path: str) -> dict[str, dict]:
   rows = {}
   if path and os.path.exists(path):
@@ -241,6 +252,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                            " refusal is a finding); they stay in the table")
   parser.add_argument("--markdown", metavar="OUT.md", help="also write the table here,"
                       " rewritten after every row")
+  parser.add_argument("--continue-fits", action="store_true",
+                      help="with --resume-from: rerun its rows whose batch search stopped"
+                           " on the time budget, going on from the sizes they compiled")
   parser.add_argument("--no-fit", action="store_true", help="skip the batch search")
   parser.add_argument("--fit-budget-s", type=float, default=20 * 60,
                       help="no search compile starts this long after the row began")
@@ -255,11 +269,14 @@ def main(argv: Optional[list[str]] = None) -> int:
   quiet_backend_init()
   rows = []
   for recipe in recipes:
-    if recipe.name in done:
-      rows.append(done[recipe.name])
+    prior = done.get(recipe.name)
+    resume = stopped_search(prior) if args.continue_fits else None
+    if prior is not None and resume is None:
+      rows.append(prior)
       continue
     print(f"[recipes] {recipe.name} ...", file=sys.stderr, flush=True)
-    row = run_recipe(recipe, fit=not args.no_fit, fit_budget_s=args.fit_budget_s)
+    row = run_recipe(recipe, fit=not args.no_fit, fit_budget_s=args.fit_budget_s,
+                     fit_resume=resume)
     print(f"[recipes] {recipe.name}: {row['seconds']['row']:.0f} s", file=sys.stderr,
           flush=True)
     rows.append(row)

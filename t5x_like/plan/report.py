@@ -156,7 +156,8 @@ def _fits(total: int, topology: Topology) -> Optional[bool]:
 
 def _make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: float = 0.4,
               compile_step: str = "auto", eval_step: bool = True, fit_batch: bool = False,
-              fit_budget_s: Optional[float] = None) -> dict[str, Any]:
+              fit_budget_s: Optional[float] = None,
+              fit_resume: Optional[dict] = None) -> dict[str, Any]:
   """The plan of `config` on `topology` (see the module docstring).
 
   compile_step: 'auto' compiles the real train and eval steps when the topology's devices
@@ -165,7 +166,8 @@ def _make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: fl
   `tpu` extra when libtpu is missing), elsewhere ValueError; 'no' never compiles.
   eval_step=False compiles the train step only. fit_batch: per phase, also search for the
   largest per-device batch whose train step fits (plan/fit.py; needs the compile and the
-  device's memory); no compile of the search starts fit_budget_s after this call began.
+  device's memory); no compile of the search starts fit_budget_s after this call began;
+  fit_resume: an earlier search's result (fit.search) that stopped, to go on from.
   """
   start = time.monotonic()
   if not 0.0 < mfu <= 1.0:
@@ -207,7 +209,7 @@ def _make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: fl
                        f" (--compile=yes) and the device's memory")
     deadline = None if fit_budget_s is None else start + fit_budget_s
     fit = fit_lib.phase_fitter(model, optimizer, schedule, real_mesh, rules, vocab,
-                               topology.memory_bytes, deadline)
+                               topology.memory_bytes, deadline, fit_resume)
 
   planned = [_phase_json(p, model, optimizer, schedule, mesh, table, topology, mfu, rules,
                          real_mesh, eval_step, fit) for p in phases]

@@ -10,7 +10,7 @@ _BACKWARD_LABELS = (("activations", "activations saved for backward"),
                     ("backward", "one layer's backward working set"),
                     ("logits", "logits / loss buffers"),
                     ("gathered", "FSDP-gathered weights"),
-                    ("cast_weights", "compute-dtype copy of the layers' weights"))
+                    ("cast_weights", "layers' weights, compute dtype"))
 
 
 def human_bytes(n: float) -> str:
