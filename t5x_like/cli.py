@@ -10,6 +10,7 @@ status 2; `--debug` anywhere shows its traceback.
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib
 import importlib.util
 import json
@@ -235,13 +236,20 @@ def _leave_out_absent_tpu() -> None:
   """Sets JAX_PLATFORMS=cpu where libtpu is installed (the tpu and test extras) but the
   host has no TPU chip and no NVIDIA GPU, and JAX_PLATFORMS is unset: jax would otherwise
   start libtpu's backend, which prints a page of errors before jax falls back to the CPU.
-  The PCI check is the one jax's hardware_utils makes; compiling for a TPU slice
-  (`plan --compile`) needs no TPU backend."""
+  The PCI check is the one jax's hardware_utils makes; TPU device files (/dev/accel*,
+  /dev/vfio: a container that hides /sys) also count as a TPU. Compiling for a TPU
+  slice (`plan --compile`) needs no TPU backend."""
   if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None:
     return
-  if _pci_vendor_present("0x1ae0") or _pci_vendor_present("0x10de"):
-    return
-  os.environ["JAX_PLATFORMS"] = "cpu"
+  if not accelerator_present():
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def accelerator_present() -> bool:
+  """A TPU (Google's PCI vendor 0x1ae0, or /dev/accel*, /dev/vfio) or an NVIDIA GPU (PCI
+  vendor 0x10de) on this host."""
+  return (_pci_vendor_present("0x1ae0") or _pci_vendor_present("0x10de")
+          or bool(glob.glob("/dev/accel*")) or os.path.exists("/dev/vfio"))
 
 
 def main(argv=None) -> int:
