@@ -247,6 +247,9 @@ def test_a_stopped_search_resumed_ends_where_one_whole_search_ends(monkeypatch):
   assert calls == [43, 38] and resumed["stopped"] is None
   for key in ("rows", "total_bytes", "next_over", "predicted_rows", "compiles", "tried"):
     assert resumed[key] == whole[key], key
+  calls.clear()
+  older = {k: v for k, v in stopped.items() if k != "limit_bytes"}  # rows of an older run
+  assert fit.search(compile_rows, 8, total(8), memory_bytes=530, resume=older)["rows"] == 38
 
 
 def test_search_halves_an_over_batch_and_keeps_to_the_microbatch_step():

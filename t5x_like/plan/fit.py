@@ -134,7 +134,7 @@ def search(compile_rows: CompileRows, rows0: int, total0: int, memory_bytes: int
       order.append(t["rows"])
     if t["refused"]:
       refused.add(t["rows"])
-  if resume:
+  if resume and resume.get("limit_bytes"):  # rows written before limit_bytes lack it
     limit[0] = min(limit[0], resume["limit_bytes"])
   fits = lambda rows: rows not in refused and tried[rows] <= limit[0]
   stopped = None
