@@ -263,6 +263,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                         for p in args.only)]
   if not recipes:
     parser.error(f"--only {' '.join(args.only)}: no such rows")
+  if args.continue_fits and not args.resume_from:
+    parser.error("--continue-fits goes on from the rows of --resume-from FILE")
   done = _read_rows(args.resume_from)
 
   from t5x_like.plan.tpu import quiet_backend_init
