@@ -31,10 +31,10 @@ Temporaries, at the higher of two peaks:
   update        float32 temporaries the size of the params besides the gradients:
                 two on CPU (the clipped gradient and the update), one on TPU, whose
                 compiler fuses clipping and the AdamW update into loops that write the
-                donated params and moments in place (the one left is the gradient
-                all-reduced apart from the local one; BERT-large on v3-128, where the
-                update sets the peak: 6.12 GiB compiled against 7.52 estimated with
-                two, 6.27 with one)
+                donated params and moments in place (the one left may be the
+                all-reduced gradient beside the local one: not traced to a buffer).
+                BERT-large on v3-128, where the update sets the peak: 6.12 GiB
+                compiled against 7.52 estimated with two, 6.26 with one
 
 The residuals are traced with the attention kernel the step will run on the plan's
 platform (attention_core.tracing_for): on a TPU the fused kernel keeps row statistics,
