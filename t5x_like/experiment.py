@@ -71,6 +71,17 @@ def build_model_from_config(config, vocab_size: int):
   return build_model(preset(config.model.preset, **overrides))
 
 
+def model_name(config) -> str:
+  """What runs, for logs: the preset with those of config.model.overrides that change it
+  ('gpt2-124m with d_model=64, ...'), not the preset's name alone."""
+  base = preset(config.model.preset)
+  overrides = sorted((k, v) for k, v in dict(config.model.overrides).items()
+                     if getattr(base, k, None) != v)
+  if not overrides:
+    return config.model.preset
+  return f"{config.model.preset} with " + ", ".join(f"{k}={v}" for k, v in overrides)
+
+
 def build_objective(config, store, vocab: Vocabulary, *, seed: int):
   """config.data's objective over `store` (its length, options and targets_length)."""
   return make_objective(config.data.objective, store, vocab, seed=seed,

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from t5x_like.experiment import config_vocab
+from t5x_like.experiment import config_vocab, model_name
 from t5x_like.models.config import ModelConfig
 from t5x_like.train import loop
 from t5x_like.train.config_check import ConfigError, mesh_axis_sizes, validate
@@ -233,3 +233,13 @@ def test_cpu_variant_of_each_pretraining_config_trains(name, arg, tmp_path):
   config.train.eval_every = 0
   result = loop.train(config, str(tmp_path))
   assert result["eval_loss"] > 0  # a finite eval after the run
+
+
+def test_the_model_name_says_what_runs():
+  """The GPT smoke config overrides gpt2-124m down to 561,984 params: its log name says so
+  (it read 'model gpt2-124m: 561,984 params')."""
+  smoke = load("gpt_cpu", "smoke")
+  assert model_name(smoke) == (
+      "gpt2-124m with attention_dropout_rate=0.0, d_ff=128, d_model=64, dropout_rate=0.0,"
+      " max_position_embeddings=64, num_heads=2, num_layers=1")
+  assert model_name(load("bert_pretrain", "base")) == "bert-base"

@@ -17,7 +17,7 @@ import ml_collections
 
 from t5x_like.data.loader import make_loader
 from t5x_like.experiment import (build_data, build_model_from_config, config_vocab,
-                                 global_batch_shapes, phase_configs)
+                                 global_batch_shapes, model_name, phase_configs)
 from t5x_like.fs import resolve_path
 from t5x_like.parallel import DEFAULT_RULES, mesh_from_config, shard_batch
 from t5x_like.train import flops as flops_lib
@@ -90,7 +90,7 @@ def _train(config, workdir: str, setup) -> RunResult:
     start = restore_or_create(
         checkpointer, abstract, lambda: create_train_state(
             model, optimizer, mesh, rules, batch_shapes, jax.random.fold_in(rng, 1)), setup)
-    writer.log(f"model {config.model.preset}: {model.num_params():,} params; mesh"
+    writer.log(f"model {model_name(config)}: {model.num_params():,} params; mesh"
                f" {dict(mesh.shape)}; {jax.process_count()} process(es); data"
                f" {json.dumps({k: v for k, v in data_stats.items() if k != 'source'})};"
                f" bad input {json.dumps(data_stats.get('source', {}))}")
