@@ -122,8 +122,18 @@ def build_data(config, workdir: str):
     else:
       train_store, eval_store = split_held_out(store, data.eval_fraction,
                                                stats.get("source_documents"))
-  return (vocab, build_objective(config, train_store, vocab, seed=config.seed),
-          build_objective(config, eval_store, vocab, seed=config.seed + 1), stats)
+  train = build_objective(config, train_store, vocab, seed=config.seed)
+  evaluation = build_objective(config, eval_store, vocab, seed=config.seed + 1)
+  held_out = (f"data.eval_source={data.eval_source!r}" if data.eval_source else
+              f"the held-out data.eval_fraction={data.eval_fraction} of"
+              f" data.source={data.source!r}")
+  for where, objective in ((f"data.source={data.source!r}", train), (held_out, evaluation)):
+    if objective.num_examples(0) <= 0:  # else the loader fails at its first batch
+      raise UserError(f"{where}: too little text for one {data.objective} example of"
+                      f" data.length={data.length} ({stats.get('tokens', 0):,} tokens in"
+                      f" {stats.get('documents', 0)} documents in all); give it more text"
+                      f" or a shorter data.length")
+  return vocab, train, evaluation, stats
 
 
 def global_batch_shapes(objective, batch_size: int) -> dict[str, tuple]:

@@ -28,6 +28,10 @@ def _files(tmp):
   os.makedirs("jsonl_no_field")
   with open(os.path.join("jsonl_no_field", "x.jsonl"), "w") as f:
     f.write('{"body": "Some text here."}\n{"body": "More text."}\n')
+  os.makedirs("jsonl_few_rows")  # 6 of 289 rows carry the field: too little for a batch
+  with open(os.path.join("jsonl_few_rows", "x.jsonl"), "w") as f:
+    f.writelines('{"body": "A short row."}\n' if i % 48 == 0 else '{"title": "x"}\n'
+                 for i in range(289))
   os.makedirs("plain_text")
   open(os.path.join("plain_text", "book.jsonl"), "w").write("Once upon a time.\nThe end.\n")
   os.makedirs("a_directory")
@@ -147,6 +151,9 @@ CASES = [
      ["empty_files"]),
     ("jsonl rows without the field", train("--config.data.source=jsonl:jsonl_no_field/*"),
      ["jsonl_no_field", "text"]),
+    ("jsonl source too small for one example",
+     train("--config.data.source=jsonl:jsonl_few_rows/*:body"),
+     ["jsonl_few_rows", "data.length=", "too little text"]),
     ("jsonl glob over text files", train("--config.data.source=jsonl:plain_text/*.jsonl"),
      ["plain_text"]),
     ("unknown source scheme", train("--config.data.source=csv:x.csv"), ["data.source"]),
