@@ -2,7 +2,6 @@
 values and gradients (q, k, v, bias) in interpret mode on CPU, and a deviceless
 compile for a TPU with libtpu (Mosaic lowering)."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -234,15 +234,15 @@ def gathered_weight_bytes(abstract_params: Any, param_shardings: Any, mesh_shape
                                                            mesh_shape)))
 
 
-def cast_weight_bytes(cfg, abstract_params: Any, param_shardings: Any, mesh_shape: dict,
+def cast_weight_bytes(model, abstract_params: Any, param_shardings: Any, mesh_shape: dict,
                       platform: str) -> int:
   """On TPU with scan_layers and a 16-bit compute dtype: the compute-dtype copy of every
   layer's weights, which XLA casts once before the layer loops and keeps through the
   backward (13.5 MiB per BERT-base layer in bf16); 0 elsewhere."""
-  itemsize = jnp.dtype(cfg.dtype).itemsize
-  if platform != "tpu" or not cfg.scan_layers or itemsize >= 4:
+  itemsize = jnp.dtype(model.config.dtype).itemsize
+  if platform != "tpu" or not model.config.scan_layers or itemsize >= 4:
     return 0
-  stacks = set(MODEL_CLASSES[cfg.family].stack_fields)
+  stacks = set(model.stack_fields)
   layers = {k: v for k, v in abstract_params.items() if k in stacks}
   shardings = {k: v for k, v in param_shardings.items() if k in stacks}
   return tree_bytes_per_device(layers, shardings, mesh_shape) * itemsize // 4
@@ -276,7 +276,7 @@ def estimate_memory(model, optimizer, mesh, param_shardings: Any, abstract_param
       logits=acts["logits"] + 2 * 4 * math.ceil(
           MODEL_CLASSES[cfg.family].logits_rows(cfg, micro) * cfg.vocab_size / tensor),
       gathered=gathered_weight_bytes(abstract_params, param_shardings, mesh_shape, fraction),
-      cast_weights=cast_weight_bytes(cfg, abstract_params, param_shardings, mesh_shape,
+      cast_weights=cast_weight_bytes(model, abstract_params, param_shardings, mesh_shape,
                                      platform),
       update=params * update_temporaries(platform),
       per_device_batch=next(iter(device_batch.values()))[0], remat_policy=remat)
