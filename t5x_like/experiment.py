@@ -2,6 +2,7 @@
 
   vocab = config_vocab(config)                        # data.vocab or the objective's
   model = build_model_from_config(config, vocab.vocab_size)
+  mesh, rules = build_mesh(config)
   vocab, objective, eval_objective, stats = build_data(config, workdir)
   for until_step, phase_config in phase_configs(config): ...
 
@@ -13,6 +14,7 @@ imports the libraries (data, models) and nothing of the commands above them.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import ml_collections
 
@@ -24,6 +26,8 @@ from t5x_like.data.tokenize import build_store
 from t5x_like.data.vocab import Vocabulary, default_vocab, load_vocab
 from t5x_like.errors import UserError
 from t5x_like.models import build_model, preset
+from t5x_like.models.config import ModelConfig
+from t5x_like.parallel import DEFAULT_RULES, mesh_from_config
 
 
 class ExperimentConfigError(UserError, ValueError):
@@ -61,14 +65,39 @@ def config_vocab(config, *, shapes_only: bool = False) -> Vocabulary:
     raise
 
 
+def model_config_from(config, vocab_size: Optional[int]) -> ModelConfig:
+  """The ModelConfig of config.model: its preset with dtype, scan, remat, attention
+  kernel, `vocab_size` ids (None: the preset's) and then model.overrides, which win.
+  The one merge of config.model; raises ValueError / TypeError on an unknown field."""
+  m = config.model
+  fields = dict(dtype=m.dtype, scan_layers=m.scan_layers, remat_policy=m.remat_policy,
+                attention_impl=attention_impl(config))
+  if vocab_size is not None:
+    fields["vocab_size"] = vocab_size
+  fields.update(m.overrides)
+  return preset(m.preset, **fields)
+
+
+def attention_impl(config) -> str:
+  """config.model.attention_impl ('auto' for configs written before it existed)."""
+  return config.model.get("attention_impl", "auto")
+
+
 def build_model_from_config(config, vocab_size: int):
-  """The model of config.model (preset, dtype, scan, remat, attention kernel, overrides)
-  for `vocab_size` ids; model.overrides.vocab_size, when set, wins."""
-  overrides = dict(dtype=config.model.dtype, scan_layers=config.model.scan_layers,
-                   remat_policy=config.model.remat_policy, vocab_size=vocab_size,
-                   attention_impl=config.model.get("attention_impl", "auto"))
-  overrides.update(config.model.overrides)
-  return build_model(preset(config.model.preset, **overrides))
+  """The model of config.model (model_config_from) for `vocab_size` ids;
+  model.overrides.vocab_size, when set, wins."""
+  return build_model(model_config_from(config, vocab_size))
+
+
+def mesh_rules(config) -> tuple:
+  """The logical-axis rules of config.mesh: mesh.rules, or parallel.DEFAULT_RULES when
+  it is empty. The one place that default is applied."""
+  return tuple(config.mesh.rules) or DEFAULT_RULES
+
+
+def build_mesh(config, devices=None) -> tuple:
+  """(mesh, rules) of config.mesh over `devices` (None: all of jax.devices())."""
+  return mesh_from_config(config.mesh, devices), mesh_rules(config)
 
 
 def model_name(config) -> str:
