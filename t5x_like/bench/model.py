@@ -32,11 +32,12 @@ from t5x_like.data.loader import make_loader
 from t5x_like.data.sources import EmbeddedCorpus
 from t5x_like.data.tokenize import build_store
 from t5x_like.models.attention_core import record_kernels
-from t5x_like.parallel import DEFAULT_RULES, mesh_from_config, shard_batch
+from t5x_like.parallel import shard_batch
 from t5x_like.plan.compiled import compile_train_step, xla_memory
 from t5x_like.train import flops as flops_lib
 from t5x_like.train.config_check import validate
-from t5x_like.experiment import build_model_from_config, build_objective, config_vocab
+from t5x_like.experiment import (build_mesh, build_model_from_config, build_objective,
+                                 config_vocab)
 from t5x_like.train.optimizers import make_optimizer
 from t5x_like.train.state import create_train_state
 from t5x_like.train.step import make_train_step
@@ -144,8 +145,7 @@ class TrainBench:
     vocab = config_vocab(config)
     validate(config, jax.device_count(), vocab_size=vocab.vocab_size)
     self.model = build_model_from_config(config, vocab.vocab_size)
-    self.mesh = mesh_from_config(config.mesh)
-    self.rules = tuple(config.mesh.rules) or DEFAULT_RULES
+    self.mesh, self.rules = build_mesh(config)
     batches = batches if batches is not None else host_batches(config, vocab)
     self.batch_shapes = {k: tuple(v.shape) for k, v in batches[0].items()}
     self.batches = [shard_batch(b, self.mesh, self.rules) for b in batches]
@@ -163,7 +163,7 @@ class TrainBench:
     self.compiled = lowered.compile()
     self.compile_seconds = time.perf_counter() - start
     self.attention_kernels = _layer_groups(kernels)
-    self.flops_per_step = flops_lib.train_flops_per_step(self.model.config, self.batch_shapes)
+    self.flops_per_step = flops_lib.train_flops_per_step(self.model, self.batch_shapes)
     self.tokens_per_step = tokens_per_step(self.batch_shapes)
     self._next = 0
     self.last_metrics = None
@@ -274,10 +274,10 @@ def bench_compile(config: ml_collections.ConfigDict, depths: list[int]) -> dict:
       c.model.overrides.num_decoder_layers = depth
       model = build_model_from_config(c, vocab.vocab_size)
     optimizer, schedule = make_optimizer(c.optimizer, c.train.num_steps)
-    mesh = mesh_from_config(c.mesh)
+    mesh, rules = build_mesh(c)
     start = time.perf_counter()
-    compile_train_step(model, optimizer, schedule, mesh, tuple(c.mesh.rules) or DEFAULT_RULES,
-                       batch_shapes, c.train.microbatches)
+    compile_train_step(model, optimizer, schedule, mesh, rules, batch_shapes,
+                       c.train.microbatches)
     rows.append({"layers": depth, "params": model.num_params(),
                  "compile_seconds": round(time.perf_counter() - start, 2)})
   cfg = build_model_from_config(config, vocab.vocab_size).config

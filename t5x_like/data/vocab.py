@@ -35,7 +35,6 @@ import sentencepiece as spm
 from t5x_like.errors import UserError
 from t5x_like.fs import PathLike, is_url, resolve_path
 
-FAMILIES = ("bert", "t5", "gpt")
 NUM_SENTINELS = 100  # T5 only
 WORD_MARK = "\u2581"  # sentencepiece's "▁": a space before the piece
 
@@ -45,6 +44,9 @@ SPECIAL_PIECES = {
     "t5": ("<pad>", "</s>", "<unk>"),
     "gpt": ("<pad>", "<unk>", "<|endoftext|>"),
 }
+# Vocabulary families (layouts of special ids), not model families (models.config.FAMILIES).
+VOCAB_FAMILIES = tuple(SPECIAL_PIECES)
+FAMILIES = VOCAB_FAMILIES  # the old name, still imported by data/vocab_cli.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +74,8 @@ class Vocabulary:
   """
 
   def __init__(self, model_bytes: bytes, family: str, *, path: str | None = None):
-    if family not in FAMILIES:
-      raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    if family not in VOCAB_FAMILIES:
+      raise ValueError(f"family must be one of {VOCAB_FAMILIES}, got {family!r}")
     self.model_bytes = bytes(model_bytes)
     self.family = family
     self.path = path
@@ -265,8 +267,8 @@ def load_vocab(path: PathLike, family: str | None = None) -> Vocabulary:
 
 def default_vocab(family: str) -> Vocabulary:
   """The shipped vocabulary of `family` (8192 ids, trained on the embedded corpus)."""
-  if family not in FAMILIES:
-    raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+  if family not in VOCAB_FAMILIES:
+    raise ValueError(f"family must be one of {VOCAB_FAMILIES}, got {family!r}")
   res = resources.files("t5x_like.data.vocabs") / f"{family}.model"
   return Vocabulary(res.read_bytes(), family, path=str(res))
 
@@ -345,8 +347,8 @@ def trainer_options(family: str, vocab_size: int, *, model_type: str = "unigram"
                     seed_sentencepiece_size: int = 1_000_000, num_threads: int = 2,
                     max_sentences: int = 2_000_000) -> dict:
   """Sentencepiece trainer arguments for `family` (everything but the data)."""
-  if family not in FAMILIES:
-    raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+  if family not in VOCAB_FAMILIES:
+    raise ValueError(f"family must be one of {VOCAB_FAMILIES}, got {family!r}")
   base = vocab_size - (NUM_SENTINELS if family == "t5" else 0)
   specials = _SPECIAL_IDS[family]
   pieces = SPECIAL_PIECES[family]

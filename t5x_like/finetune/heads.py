@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from t5x_like.models import losses
 from t5x_like.models.layers import DenseGeneral, normal_init
-from t5x_like.models.model import MODEL_CLASSES
+from t5x_like.models.model import model_class
 
 Array = jax.Array
 
@@ -30,7 +30,7 @@ POOLINGS = ("cls", "mean")
 
 def has_pooler(model_config) -> bool:
   """Whether the family's pretraining has a [CLS] pooler a head may start from (BERT)."""
-  return MODEL_CLASSES[model_config.family].pretrained_pooler
+  return model_class(model_config).pretrained_pooler
 
 
 class ClassificationHead(nn.Module):

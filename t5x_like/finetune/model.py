@@ -31,7 +31,7 @@ import numpy as np
 from t5x_like.finetune.task import Task
 from t5x_like.finetune.tasks import make_task
 from t5x_like.models.config import ModelConfig
-from t5x_like.models.model import MODEL_CLASSES, EncoderDecoderModel, Model
+from t5x_like.models.model import Model, build_model, model_class
 
 Array = jax.Array
 Params = Any
@@ -46,13 +46,13 @@ class FinetuneModule(nn.Module):
   deterministic: bool = True
 
   def setup(self):
-    family = MODEL_CLASSES[self.config.family]
+    family = model_class(self.config)
     self.backbone = family.hidden_states_module(self.config, deterministic=self.deterministic)
     self.head = None if family.finetunes_text_to_text else self.task.head(
         self.config, self.num_labels, self.deterministic)
 
   def __call__(self, batch):
-    family = MODEL_CLASSES[self.config.family]
+    family = model_class(self.config)
     if family.finetunes_text_to_text:
       return self.backbone(batch)  # [B, T, V] decoder logits
     hidden_BxLxD, valid_BxL = family.hidden_states(self.backbone, batch)
@@ -93,7 +93,7 @@ class FinetuneModel(Model):
       task = make_task(task, **task_options)
     elif task_options:
       raise TypeError(f"task options {sorted(task_options)} go with a task name, not a Task")
-    family = MODEL_CLASSES[config.family]
+    family = model_class(config)
     if config.family not in task.families:
       raise ValueError(f"task={task.name!r} does not fine-tune the {config.family!r} family"
                        f" (it supports {', '.join(task.families)})")
@@ -110,15 +110,15 @@ class FinetuneModel(Model):
     self.task = task
     self.num_labels = int(num_labels)
     self.label_targets = label_targets
-    self.seq2seq = EncoderDecoderModel(self.config) if self.text_to_text else None
+    # Text to text: the backbone's own model and loss (the label string as its targets).
+    self.seq2seq = build_model(self.config) if self.text_to_text else None
 
   def module(self, *, deterministic: bool = True, **kw) -> nn.Module:
     return FinetuneModule(self.config, self.task, num_labels=self.num_labels,
                           deterministic=deterministic, **kw)
 
   def example_batch_shapes(self, batch: int = 2, length: int = 8) -> dict[str, tuple]:
-    return {name: (batch, length)
-            for name in MODEL_CLASSES[self.config.family].finetune_inputs}
+    return {name: (batch, length) for name in model_class(self.config).finetune_inputs}
 
   # ------------------------------------------------------------------ weights
   def load_backbone(self, params: Params, pretrained_params: Params) -> Params:

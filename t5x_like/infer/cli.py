@@ -44,7 +44,7 @@ from t5x_like.command_flags import parse_flags
 from t5x_like.infer import requests
 from t5x_like.infer.sharding import hashable_rules
 from t5x_like.train.checkpoints import IncompatibleCheckpointError
-from t5x_like.experiment import build_model_from_config, config_vocab
+from t5x_like.experiment import build_mesh, build_model_from_config, config_vocab
 from t5x_like.train.pretrained import load_pretrained
 
 MODES = ("generate", "score")
@@ -232,8 +232,7 @@ def main(argv: list[str]) -> int:
 
 def _infer(fv, config, items, cap: int) -> int:
   """Loads the checkpoint and writes the rows of `items`."""
-  mesh = parallel.mesh_from_config(config.mesh)
-  rules = tuple(config.mesh.rules) or parallel.DEFAULT_RULES
+  mesh, rules = build_mesh(config)
   start = time.time()
   try:
     loaded = load_pretrained(config, fv.checkpoint, mesh=mesh, rules=rules, step=fv.step)

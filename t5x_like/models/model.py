@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5x_like.models import cost, losses, steppers
-from t5x_like.models.config import ModelConfig
+from t5x_like.models.config import FAMILIES, ModelConfig
 from t5x_like.models.families import DecoderModule, EncoderDecoderModule, EncoderModule
 
 Array = jax.Array
@@ -365,13 +365,17 @@ class EncoderDecoderModel(_SequenceModel):
                                          batch_shapes["decoder_input_tokens"][1])
 
 
-MODEL_CLASSES = {
-    "encoder": EncoderModel,
-    "decoder": DecoderModel,
-    "encoder_decoder": EncoderDecoderModel,
-}
+# config.FAMILIES (the values ModelConfig.family takes), each with its model class.
+MODEL_CLASSES: dict[str, type[Model]] = dict(
+    zip(FAMILIES, (EncoderModel, DecoderModel, EncoderDecoderModel), strict=True))
+
+
+def model_class(config: ModelConfig) -> type[Model]:
+  """The model class of config.family: what the family is and can do (stack_fields,
+  finetunes_text_to_text, ...) without building a model."""
+  return MODEL_CLASSES[config.family]
 
 
 def build_model(config: ModelConfig) -> Model:
-  """The model class for config.family."""
-  return MODEL_CLASSES[config.family](config)
+  """The model of config (its family's model class)."""
+  return model_class(config)(config)

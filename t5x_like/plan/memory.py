@@ -57,7 +57,6 @@ import jax.numpy as jnp
 
 from t5x_like.models import build_model
 from t5x_like.models.attention_core import tracing_for
-from t5x_like.models.model import MODEL_CLASSES
 from t5x_like.plan.params import tree_bytes_per_device
 from t5x_like.train.state import opt_state_shardings
 
@@ -169,34 +168,37 @@ def _residual_bytes(cfg, batch_shapes, tensor: int) -> tuple[int, int, int]:
   return acts, logits, largest
 
 
-def _depths(cfg) -> list[dict]:
+def _depths(model) -> list[dict]:
   """Layer counts to trace: 1 in every stack, then 2 in each stack in turn."""
-  fields = MODEL_CLASSES[cfg.family].stack_fields
+  fields = model.stack_fields
   one = {field: 1 for field in fields.values()}
   return [one] + [{**one, field: 2} for field in fields.values()]
 
 
-def layer_residual_bytes(cfg, batch_shapes, tensor: int) -> dict[str, int]:
+def layer_residual_bytes(model, batch_shapes, tensor: int,
+                         remat_policy: str) -> dict[str, int]:
   """{'outside': bytes not in a layer, 'encoder'/'decoder': bytes per layer, 'logits',
-  'largest': the largest single activation}."""
-  traced = [_residual_bytes(cfg.replace(**d), batch_shapes, tensor) for d in _depths(cfg)]
+  'largest': the largest single activation} of `model` under `remat_policy`."""
+  cfg = model.config.replace(remat_policy=remat_policy)
+  traced = [_residual_bytes(cfg.replace(**d), batch_shapes, tensor) for d in _depths(model)]
   one = traced[0][0]
   out = {"logits": traced[0][1], "largest": traced[0][2]}
-  stacks = list(MODEL_CLASSES[cfg.family].stack_fields)
+  stacks = list(model.stack_fields)
   for stack, (two, _, _) in zip(stacks, traced[1:]):
     out[stack] = two - one
   out["outside"] = one - sum(out[stack] for stack in stacks)
   return out
 
 
-def activation_bytes(cfg, batch_shapes, tensor: int, remat_policy: str) -> dict[str, int]:
-  """{'activations', 'backward', 'logits'} bytes per device for a per-device batch."""
-  layers = MODEL_CLASSES[cfg.family].stack_layers(cfg)
-  saved = layer_residual_bytes(cfg.replace(remat_policy=remat_policy), batch_shapes, tensor)
+def activation_bytes(model, batch_shapes, tensor: int, remat_policy: str) -> dict[str, int]:
+  """{'activations', 'backward', 'logits'} bytes per device of `model` for a per-device
+  batch."""
+  layers = model.stack_layers(model.config)
+  saved = layer_residual_bytes(model, batch_shapes, tensor, remat_policy)
   total = saved["outside"] + sum(n * saved[k] for k, n in layers.items())
   plain = saved
   if remat_policy != "none":
-    plain = layer_residual_bytes(cfg.replace(remat_policy="none"), batch_shapes, tensor)
+    plain = layer_residual_bytes(model, batch_shapes, tensor, "none")
   # Inside one layer's backward: two cotangents the size of its largest activation (the
   # attention scores' and probabilities'), plus, with remat, the recomputed forward.
   working = 2 * plain["largest"]
@@ -265,8 +267,8 @@ def estimate_memory(model, optimizer, mesh, param_shardings: Any, abstract_param
   micro = per_device_batch_shapes(batch_shapes, batch_shards, microbatches)
   remat = effective_remat_policy(cfg, platform)
   with tracing_for(platform):  # the attention kernel the step will run there
-    acts = activation_bytes(cfg, micro, tensor, remat)
-  layers = sum(MODEL_CLASSES[cfg.family].stack_layers(cfg).values())
+    acts = activation_bytes(model, micro, tensor, remat)
+  layers = sum(model.stack_layers(cfg).values())
   fraction = min(1.0, 2 / layers) if cfg.scan_layers else 1.0
   return MemoryEstimate(
       params=params, opt_state=opt_state,
@@ -274,7 +276,7 @@ def estimate_memory(model, optimizer, mesh, param_shardings: Any, abstract_param
       grads=params * (2 if microbatches > 1 else 1),
       activations=acts["activations"], backward=acts["backward"],
       logits=acts["logits"] + 2 * 4 * math.ceil(
-          MODEL_CLASSES[cfg.family].logits_rows(cfg, micro) * cfg.vocab_size / tensor),
+          model.logits_rows(cfg, micro) * cfg.vocab_size / tensor),
       gathered=gathered_weight_bytes(abstract_params, param_shardings, mesh_shape, fraction),
       cast_weights=cast_weight_bytes(model, abstract_params, param_shardings, mesh_shape,
                                      platform),

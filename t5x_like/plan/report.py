@@ -30,7 +30,8 @@ from t5x_like.plan import tpu as tpu_lib
 from t5x_like.plan.topology import Topology, planned_mesh
 from t5x_like.train import flops as flops_lib
 from t5x_like.train.config_check import validate
-from t5x_like.experiment import build_model_from_config, config_vocab
+from t5x_like.experiment import (build_mesh, build_model_from_config, config_vocab,
+                                 mesh_rules)
 from t5x_like.train.optimizers import make_optimizer
 
 COMPILE_CHOICES = ("auto", "yes", "no")
@@ -95,7 +96,7 @@ def _phase_json(phase: Phase, model, optimizer, schedule, mesh, table, topology:
   config = phase.config
   mesh_shape = dict(mesh.shape)
   microbatches = int(config.train.microbatches or 1)
-  flops = flops_lib.train_flops_per_step(model.config, phase.batch_shapes)
+  flops = flops_lib.train_flops_per_step(model, phase.batch_shapes)
   step_seconds = flops / (topology.num_devices * topology.peak_flops * mfu)
   memory = estimate_memory(model, optimizer, mesh, table.shardings, table.abstract_params,
                            phase.batch_shapes, platform=topology.platform,
@@ -110,7 +111,7 @@ def _phase_json(phase: Phase, model, optimizer, schedule, mesh, table, topology:
           phase.batch_shapes, batch_shards).items()},
       "tokens_per_step": _tokens(phase.batch_shapes),
       "flops_per_step": flops, "flops_per_device": flops / topology.num_devices,
-      "flops_breakdown": flops_lib.forward_flops_breakdown(model.config, phase.batch_shapes),
+      "flops_breakdown": flops_lib.forward_flops_breakdown(model, phase.batch_shapes),
       "step_seconds": step_seconds, "seconds": step_seconds * phase.steps,
       "memory": memory.to_json(),
       "fits": _fits(memory.total, topology),
@@ -125,7 +126,7 @@ def _phase_json(phase: Phase, model, optimizer, schedule, mesh, table, topology:
     xla["memory_ratio"] = memory.total / max(xla["memory"]["total_bytes"], 1)
     _judge(xla, flops, topology)
     if eval_step:
-      _judge(xla["eval"], flops_lib.forward_flops(model.config, phase.batch_shapes),
+      _judge(xla["eval"], flops_lib.forward_flops(model, phase.batch_shapes),
              topology)
     out["xla"] = xla
     if fit is not None:
@@ -183,7 +184,7 @@ def _make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: fl
     raise ValueError(f"topology {topology.name} has {topology.num_slices} slices but"
                      f" mesh.dcn_data x mesh.dcn_fsdp x mesh.dcn_tensor = {dcn}: set them"
                      f" to split the mesh across the slices")
-  rules = tuple(config.mesh.rules) or parallel.DEFAULT_RULES
+  rules = mesh_rules(config)
   vocab = config_vocab(config, shapes_only=True)
   validate(config, topology.num_devices, vocab_size=model_vocab_size(config, vocab),
            platform=topology.platform)
@@ -201,7 +202,7 @@ def _make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: fl
   elif compile_step == "yes":
     raise ValueError(f"cannot compile for {topology.name}: its {topology.num_devices}"
                      f" {topology.device_kind} devices are not all present here")
-  real_mesh = None if devices is None else parallel.mesh_from_config(config.mesh, devices)
+  real_mesh = None if devices is None else build_mesh(config, devices)[0]
   fit = None
   if fit_batch:
     if real_mesh is None or not topology.memory_bytes:

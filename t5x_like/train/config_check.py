@@ -2,6 +2,10 @@
 
   validate(config, num_devices=jax.device_count())  # raises ConfigError
 
+(Fine-tuning's validate_finetune, t5x_like/finetune/config_check.py, runs the same
+checks on its own schema: check_schema, check_finite, check_seed, check_model,
+check_optimizer, check_mesh.)
+
 Every message names the offending key (`train.batch_size`, `mesh.tensor`, ...) and what
 would be valid. Checks: unknown keys and wrong types against train/defaults.py's schema;
 choices (preset, objective, optimizer, schedule, dtype, remat policy); model overrides
@@ -26,12 +30,10 @@ from t5x_like import parallel
 from t5x_like.data.pipeline import OBJECTIVES
 from t5x_like.data.prepared import VERIFY_MODES
 from t5x_like.errors import UserError
-from t5x_like.experiment import phase_configs
-from t5x_like.models import build_model
+from t5x_like.experiment import attention_impl, mesh_rules, model_config_from, phase_configs
+from t5x_like.models import Model, build_model
 from t5x_like.models.attention_core import choose_kernel
-from t5x_like.models.config import (ATTENTION_IMPLS, DTYPES, PRESETS, REMAT_POLICIES,
-                                    ModelConfig, preset)
-from t5x_like.models.model import MODEL_CLASSES
+from t5x_like.models.config import ATTENTION_IMPLS, DTYPES, PRESETS, REMAT_POLICIES, ModelConfig
 from t5x_like.parallel.mesh import MESH_AXES, config_axis_sizes
 from t5x_like.train.defaults import default_config
 from t5x_like.train.optimizers import OPTIMIZERS, SCHEDULES
@@ -61,53 +63,58 @@ def validate(config: ml_collections.ConfigDict, num_devices: Optional[int] = Non
   """
   if num_devices is None:
     num_devices = jax.device_count()
-  _check_schema(config, default_config(), "")
-  _check_finite(config, "")
-  if not 0 <= config.seed < 2**31:
-    raise ConfigError(f"seed={config.seed}: must be in [0, 2**31)")
-  device_kind = "" if platform else jax.devices()[0].device_kind
-  model_cfg = _check_model(config, vocab_size, platform or jax.default_backend(), device_kind)
+  check_schema(config, default_config(), _OPEN)
+  check_finite(config)
+  check_seed(config)
+  model_cfg = check_model(config, vocab_size, platform)
   _check_data(config, model_cfg)
   _check_train(config)
-  _check_optimizer(config)
-  _check_rules(config.mesh.rules)
-  mesh_sizes = mesh_axis_sizes(config.mesh, num_devices)
-  _check_batch(config, mesh_sizes)
-  _check_param_dims(config, model_cfg, mesh_sizes)
+  check_optimizer(config)
+  model = build_model(model_cfg)
+  mesh_sizes = check_mesh(config, num_devices, model)
   if device_memory_bytes:
-    _check_activation_memory(config, model_cfg, mesh_sizes, device_memory_bytes)
+    _check_activation_memory(config, model, mesh_sizes, device_memory_bytes)
 
 
 # ------------------------------------------------------------------------- schema
-def _check_schema(config, schema, prefix: str) -> None:
+def check_schema(config, schema, open_keys=frozenset(), prefix: str = "") -> None:
+  """Every key of `config` is one of `schema` (ConfigError naming it and the known
+  keys), of the default's type; the contents of the sections named in `open_keys`
+  (dotted) are free-form."""
   for key in config.keys():
     name = f"{prefix}{key}"
     if key not in schema:
       raise ConfigError(f"unknown config key {name!r}; known keys here:"
                         f" {sorted(schema.keys())}")
     value, default = config[key], schema[key]
-    if name in _OPEN:
+    if name in open_keys:
       continue
     if isinstance(default, ml_collections.ConfigDict):
       if not isinstance(value, (ml_collections.ConfigDict, dict)):
         raise ConfigError(f"{name}: expected a section (ConfigDict), got {value!r}")
-      _check_schema(ml_collections.ConfigDict(value) if isinstance(value, dict) else value,
-                    default, name + ".")
+      check_schema(ml_collections.ConfigDict(value) if isinstance(value, dict) else value,
+                   default, open_keys, name + ".")
     elif not _same_type(value, default):
       raise ConfigError(f"{name}={value!r}: expected {type(default).__name__}"
                         f" (like the default {default!r}), got {type(value).__name__}")
 
 
-def _check_finite(config, prefix: str) -> None:
+def check_finite(config, prefix: str = "") -> None:
   """Every float of the config (open sections included) is finite: a NaN learning rate
   or weight decay would otherwise train to garbage, or to the end."""
   for key in config.keys():
     value, name = config[key], f"{prefix}{key}"
     if isinstance(value, (ml_collections.ConfigDict, dict)):
-      _check_finite(ml_collections.ConfigDict(value) if isinstance(value, dict) else value,
-                    name + ".")
+      check_finite(ml_collections.ConfigDict(value) if isinstance(value, dict) else value,
+                   name + ".")
     elif isinstance(value, float) and not math.isfinite(value):
       raise ConfigError(f"{name}={value}: must be a finite number")
+
+
+def check_seed(config) -> None:
+  """config.seed in [0, 2**31)."""
+  if not 0 <= config.seed < 2**31:
+    raise ConfigError(f"seed={config.seed}: must be in [0, 2**31)")
 
 
 def _same_type(value: Any, default: Any) -> bool:
@@ -125,41 +132,44 @@ def _choice(name: str, value: Any, options) -> None:
     raise ConfigError(f"{name}={value!r}: expected one of {sorted(options)}")
 
 
-def _positive(name: str, value, allow_zero: bool = False) -> None:
+def positive(name: str, value, allow_zero: bool = False) -> None:
+  """ConfigError naming `name` unless value > 0 (allow_zero: >= 0)."""
   if value < 0 or (value == 0 and not allow_zero):
     raise ConfigError(f"{name}={value!r}: must be {'>= 0' if allow_zero else '> 0'}")
 
 
 # -------------------------------------------------------------------------- model
-def _check_model(config, vocab_size: Optional[int], platform: str,
-                 device_kind: str = "") -> ModelConfig:
+def check_fields(name: str, fields: dict) -> None:
+  """Every key of `fields` (the section `name`) is a ModelConfig field."""
+  known = {f.name for f in dataclasses.fields(ModelConfig)}
+  for key in fields:
+    if key not in known:
+      raise ConfigError(f"{name}.{key}: not a ModelConfig field; known: {sorted(known)}")
+
+
+def check_model(config, vocab_size: Optional[int],
+                platform: Optional[str] = None) -> ModelConfig:
+  """The ModelConfig of config.model (experiment.model_config_from) for `vocab_size`
+  ids, checked; platform: where it runs (default: here), for the attention kernel."""
   m = config.model
   _choice("model.preset", m.preset, PRESETS)
   _choice("model.dtype", m.dtype, DTYPES)
   _choice("model.remat_policy", m.remat_policy, REMAT_POLICIES)
-  _choice("model.attention_impl", m.get("attention_impl", "auto"), ATTENTION_IMPLS)
+  _choice("model.attention_impl", attention_impl(config), ATTENTION_IMPLS)
   overrides = dict(m.overrides)
-  fields = {f.name for f in dataclasses.fields(ModelConfig)}
-  for key in overrides:
-    if key not in fields:
-      raise ConfigError(f"model.overrides.{key}: not a ModelConfig field; known:"
-                        f" {sorted(fields)}")
+  check_fields("model.overrides", overrides)
   if vocab_size is not None and overrides.get("vocab_size", vocab_size) < vocab_size:
     raise ConfigError(f"model.overrides.vocab_size={overrides['vocab_size']}: smaller than the"
                       f" vocabulary's {vocab_size} ids (ids past it would index outside the"
                       " embedding); remove it or make it at least that")
-  base = dict(dtype=m.dtype, scan_layers=m.scan_layers, remat_policy=m.remat_policy,
-              attention_impl=m.get("attention_impl", "auto"))
-  if vocab_size is not None:
-    base["vocab_size"] = vocab_size
   try:
-    cfg = preset(m.preset, **{**base, **overrides})
-    cfg.validate()
+    cfg = model_config_from(config, vocab_size)
   except (ValueError, TypeError) as e:
     raise ConfigError(f"model (preset {m.preset!r} with model.overrides): {e}") from None
+  device_kind = "" if platform else jax.devices()[0].device_kind
   try:  # a configured fused kernel must run here (auto always can)
-    choose_kernel(cfg.attention_impl, backend=platform, dtype=cfg.dtype,
-                  head_dim=cfg.dim_per_head, q_len=config.data.length,
+    choose_kernel(cfg.attention_impl, backend=platform or jax.default_backend(),
+                  dtype=cfg.dtype, head_dim=cfg.dim_per_head, q_len=config.data.length,
                   kv_len=config.data.length, dropout=cfg.attention_dropout_rate > 0,
                   device_kind=device_kind)
   except ValueError as e:
@@ -185,17 +195,17 @@ def _check_data(config, model_cfg: ModelConfig) -> None:
   for name, length in lengths:
     if isinstance(length, bool) or not isinstance(length, int):
       raise ConfigError(f"{name}={length!r}: expected an int (tokens per row)")
-    _positive(name, length)
+    positive(name, length)
     if model_cfg.position_embedding == "learned" and length > model_cfg.max_position_embeddings:
       raise ConfigError(f"{name}={length} exceeds the model's max_position_embeddings="
                         f"{model_cfg.max_position_embeddings}; raise"
                         " model.overrides.max_position_embeddings or shorten it")
   if spec.needs_targets_length:
-    _positive("data.targets_length", d.targets_length)
+    positive("data.targets_length", d.targets_length)
   if not d.eval_source and not 0.0 < d.eval_fraction < 1.0:
     raise ConfigError(f"data.eval_fraction={d.eval_fraction}: must be in (0, 1) when"
                       " data.eval_source is empty")
-  _positive("data.num_workers", d.num_workers, allow_zero=True)
+  positive("data.num_workers", d.num_workers, allow_zero=True)
   _choice("data.verify_checksums", d.get("verify_checksums", "blocks"), VERIFY_MODES)
   known = spec.option_defaults()
   option_sets = [("data.options", dict(d.options))] + [
@@ -215,43 +225,57 @@ def _check_data(config, model_cfg: ModelConfig) -> None:
 # ---------------------------------------------------------------- train, optimizer
 def _check_train(config) -> None:
   t = config.train
-  _positive("train.batch_size", t.batch_size)
-  _positive("train.microbatches", t.microbatches)
-  _positive("train.num_steps", t.num_steps)
+  positive("train.batch_size", t.batch_size)
+  positive("train.microbatches", t.microbatches)
+  positive("train.num_steps", t.num_steps)
   for key in ("log_every",):
-    _positive(f"train.{key}", t[key])
+    positive(f"train.{key}", t[key])
   for key in ("eval_every", "checkpoint_every", "eval_batches"):
-    _positive(f"train.{key}", t[key], allow_zero=True)
+    positive(f"train.{key}", t[key], allow_zero=True)
   if t.eval_every and not t.eval_batches:
     raise ConfigError("train.eval_batches=0 with train.eval_every > 0: evaluate on >= 1 batch")
   if t.keep_checkpoints is not None:
-    _positive("train.keep_checkpoints", t.keep_checkpoints)
+    positive("train.keep_checkpoints", t.keep_checkpoints)
   try:
     phase_configs(config)
   except (ValueError, TypeError) as e:
     raise ConfigError(str(e)) from None
 
 
-def _check_optimizer(config) -> None:
+def check_optimizer(config, allow_long_warmup: bool = False) -> None:
+  """config.optimizer, its schedule against config.train.num_steps (allow_long_warmup:
+  a linear / cosine warmup may outlast the decay steps; the run then only warms up)."""
   o = config.optimizer
   _choice("optimizer.name", o.name, OPTIMIZERS)
   _choice("optimizer.schedule", o.schedule, SCHEDULES)
-  _positive("optimizer.learning_rate", o.learning_rate)
-  _positive("optimizer.warmup_steps", o.warmup_steps, allow_zero=True)
-  _positive("optimizer.decay_steps", o.decay_steps, allow_zero=True)
-  _positive("optimizer.weight_decay", o.weight_decay, allow_zero=True)
-  _positive("optimizer.clip_norm", o.clip_norm, allow_zero=True)
-  _positive("optimizer.eps", o.eps, allow_zero=True)
+  positive("optimizer.learning_rate", o.learning_rate)
+  positive("optimizer.warmup_steps", o.warmup_steps, allow_zero=True)
+  positive("optimizer.decay_steps", o.decay_steps, allow_zero=True)
+  positive("optimizer.weight_decay", o.weight_decay, allow_zero=True)
+  positive("optimizer.clip_norm", o.clip_norm, allow_zero=True)
+  positive("optimizer.eps", o.eps, allow_zero=True)
   for key in ("b1", "b2", "end_learning_rate_fraction", "adafactor_decay_rate"):
     if not 0.0 <= o[key] <= 1.0:
       raise ConfigError(f"optimizer.{key}={o[key]}: must be in [0, 1]")
   decay = o.decay_steps or config.train.num_steps
-  if o.schedule in ("linear", "cosine") and o.warmup_steps > decay:
+  if o.schedule in ("linear", "cosine") and o.warmup_steps > decay and not allow_long_warmup:
     raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps} exceeds the decay steps"
                       f" ({decay}: optimizer.decay_steps or train.num_steps)")
 
 
 # ----------------------------------------------------------------------- the mesh
+def check_mesh(config, num_devices: int, model: Optional[Model]) -> dict[str, int]:
+  """config.mesh over `num_devices`, config.train's batch over its batch shards and
+  every parameter of `model` (None: not known) over the axes config.mesh.rules puts it
+  on; returns the mesh's axis sizes."""
+  _check_rules(config.mesh.rules)
+  sizes = mesh_axis_sizes(config.mesh, num_devices)
+  _check_batch(config, sizes)
+  if model is not None:
+    _check_param_dims(config, model, sizes)
+  return sizes
+
+
 def mesh_axis_sizes(mesh_cfg, num_devices: int) -> dict[str, int]:
   """{'data': n, 'fsdp': n, 'tensor': n}: each axis = within-slice x across-slice size.
 
@@ -308,7 +332,7 @@ def local_device_memory() -> Optional[int]:
   return host // jax.local_device_count()
 
 
-def _check_activation_memory(config, model_cfg: ModelConfig, mesh: dict[str, int],
+def _check_activation_memory(config, model: Model, mesh: dict[str, int],
                              device_bytes: int) -> None:
   """Refuses a step whose activations cannot fit in one device, whatever the remat
   policy: a lower bound of the bytes one microbatch keeps on a device, the residual
@@ -320,7 +344,8 @@ def _check_activation_memory(config, model_cfg: ModelConfig, mesh: dict[str, int
       (f"train.phases[{i}].length", int(dict(p).get("length", config.data.length)))
       for i, p in enumerate(config.train.phases or ())]
   name, length = max(lengths, key=lambda x: x[1])
-  layers = sum(MODEL_CLASSES[model_cfg.family].stack_layers(model_cfg).values())
+  model_cfg = model.config
+  layers = sum(model.stack_layers(model_cfg).values())
   width = 2 if model_cfg.dtype == "bfloat16" else 4
   residual = rows * length * model_cfg.d_model * width * layers
   scores = rows * max(1, model_cfg.num_heads // mesh["tensor"]) * length * length * 4
@@ -334,17 +359,16 @@ def _check_activation_memory(config, model_cfg: ModelConfig, mesh: dict[str, int
         " train.batch_size, more train.microbatches or more devices")
 
 
-def _check_param_dims(config, model_cfg: ModelConfig, mesh: dict[str, int]) -> None:
+def _check_param_dims(config, model: Model, mesh: dict[str, int]) -> None:
   """Every parameter dimension divides over the mesh axes its logical axis maps to."""
+  model_cfg = model.config
   if model_cfg.num_heads % mesh["tensor"]:
     valid = [n for n in range(1, model_cfg.num_heads + 1) if model_cfg.num_heads % n == 0]
     raise ConfigError(f"mesh.tensor={mesh['tensor']}: the model's {model_cfg.num_heads}"
                       f" attention heads do not divide over it; valid: {valid}")
-  rules = parallel.rules_for_mesh(tuple(config.mesh.rules) or parallel.DEFAULT_RULES,
-                                  MESH_AXES)
+  rules = parallel.rules_for_mesh(mesh_rules(config), MESH_AXES)
   mapping = {logical: ((axes,) if isinstance(axes, str) else tuple(axes or ()))
              for logical, axes in rules}
-  model = build_model(model_cfg)
   shapes = jax.tree_util.tree_leaves_with_path(model.param_shapes())
   specs = jax.tree.leaves(model.param_axes(), is_leaf=lambda x: isinstance(x, PartitionSpec))
   for (path, shape), spec in zip(shapes, specs):

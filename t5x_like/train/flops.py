@@ -20,14 +20,17 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from t5x_like.models.config import ModelConfig
-from t5x_like.models.model import MODEL_CLASSES
+from t5x_like.models.model import Model, model_class
+
+# What the counts are of: a Model (models.build_model), or the ModelConfig of one.
+ModelOrConfig = Union[Model, ModelConfig]
 
 # Dense bf16 peak FLOP/s of one JAX device, by substring of `device.device_kind`
 # (first match wins, so longer names come first; Cloud TPU and NVIDIA datasheets). On
@@ -52,28 +55,30 @@ _PEAK_BF16 = (
 )
 
 
-def forward_flops_breakdown(config: ModelConfig,
+def forward_flops_breakdown(model: ModelOrConfig,
                             batch_shapes: Mapping[str, Any]) -> dict[str, float]:
-  """Forward matmul FLOPs by part (qo_proj, kv_proj, attention, mlp, head, logits): the
-  formula of config's model family (its model class's `forward_flops_breakdown`).
+  """Forward matmul FLOPs by part (qo_proj, kv_proj, attention, mlp, head, logits) of a
+  Model or a ModelConfig: the model's `forward_flops_breakdown` formula.
 
   batch_shapes: feature name -> shape (or array) of the global batch; uses
   encoder_input_tokens [B, L], decoder_input_tokens [B, T], mlm_positions [B, P].
   """
-  return MODEL_CLASSES[config.family].forward_flops_breakdown(config, batch_shapes)
+  if isinstance(model, ModelConfig):
+    return model_class(model).forward_flops_breakdown(model, batch_shapes)
+  return model.forward_flops_breakdown(model.config, batch_shapes)
 
 
-def forward_flops(config: ModelConfig, batch_shapes: Mapping[str, Any]) -> float:
+def forward_flops(model: ModelOrConfig, batch_shapes: Mapping[str, Any]) -> float:
   """Matmul FLOPs of one deterministic forward over the batch (see module docstring)."""
-  return float(sum(forward_flops_breakdown(config, batch_shapes).values()))
+  return float(sum(forward_flops_breakdown(model, batch_shapes).values()))
 
 
-def train_flops_per_step(config: ModelConfig, batch_shapes: Mapping[str, Any]) -> float:
+def train_flops_per_step(model: ModelOrConfig, batch_shapes: Mapping[str, Any]) -> float:
   """FLOPs of one training step over the global batch: 3x the forward (fwd + bwd).
 
   Microbatching does not change it (same tokens); remat recompute is not counted.
   """
-  return 3.0 * forward_flops(config, batch_shapes)
+  return 3.0 * forward_flops(model, batch_shapes)
 
 
 # ------------------------------------------------------------------- peak FLOP/s

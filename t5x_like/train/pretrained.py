@@ -23,7 +23,7 @@ from t5x_like.train.checkpoint_integrity import STATE
 from t5x_like.train.read_leftovers import quiet_read_leftovers
 from t5x_like.train.checkpoints import (CheckpointNotFoundError, IncompatibleCheckpointError,
                                         saved_shapes, wanted_shapes)
-from t5x_like.experiment import build_model_from_config, config_vocab
+from t5x_like.experiment import build_model_from_config, config_vocab, mesh_rules
 
 
 class Pretrained(NamedTuple):
@@ -40,7 +40,7 @@ def load_pretrained(config, checkpoint: str, *, mesh=None, rules=None,
   vocab = config_vocab(config)
   model = build_model_from_config(config, vocab.vocab_size)
   mesh = parallel.mesh_from_config(config.mesh) if mesh is None else mesh
-  rules = (tuple(config.mesh.rules) or parallel.DEFAULT_RULES) if rules is None else rules
+  rules = mesh_rules(config) if rules is None else rules
   shapes = model.example_batch_shapes()
   shardings = parallel.param_shardings(model, mesh, rules, shapes)
   abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
