@@ -47,11 +47,15 @@ $T infer --config configs/bert_cpu.py --checkpoint workdir/bert --input workdir/
 expect "$out" '"predictions"'
 
 step "the book task: fine-tune the main job's BERT (relative init.checkpoint)"
-$T task books --out workdir/books --num_blocks 4 --block_words 100 > "$out"
-$T finetune --config configs/finetune_books.py:bert,dir=workdir/books --workdir workdir/ft --config.init.checkpoint=workdir/bert --config.train.num_steps=20 --config.train.eval_every=10 | tee "$out"
+$T task books --out workdir/books > "$out"
+$T finetune --config configs/finetune_books.py:bert --workdir workdir/ft --config.init.checkpoint=workdir/bert --config.train.num_steps=20 --config.train.eval_every=10 | tee "$out"
 expect "$out" "step 10: dev"
 expect "$out" "final dev metrics"
 test -s workdir/ft/final_metrics.json
+
+step "a new objective's worked example: i.i.d. denoising for T5 (README)"
+$T train --config configs/t5_cpu.py:smoke --workdir workdir/t5_iid --config.data.objective=iid_denoising | tee "$out"
+expect "$out" "final eval:"
 
 step "a new task type's worked example: regression on a score per passage (README)"
 python3 - <<'EOF'
@@ -67,7 +71,7 @@ expect "$out" "dev pearson="
 test -s workdir/ft_score/dev_predictions.jsonl
 
 step "data at scale: prepare a corpus once (Apache Beam, 2 workers), train on it in place"
-.venv/bin/pip install -q -e ".[prepare]"
+.venv/bin/pip install -e ".[prepare]"
 $T data prepare --config configs/bert_cpu.py:smoke --out workdir/prepared/books --num_workers 2 | tee "$out"
 expect "$out" '"train_documents": 8'
 $T train --config configs/bert_cpu.py:smoke --workdir workdir/bert_prepared --config.data.source=prepared:workdir/prepared/books | tee "$out"
@@ -79,9 +83,20 @@ set -e
 test "$code" = 2 || { echo "tour: prepare into a full folder: expected exit 2, got $code"; exit 1; }
 expect "$out" "not empty"
 
-step "plan"
+step "plan, models, vocab"
 $T plan --config configs/bert_pretrain.py:base --topology v3-32 | tee "$out"
 expect "$out" "110,106,428"
+$T models > "$out"
+expect "$out" '"preset": "bert-base"'
+$T vocab train --source embedded --vocab-size 1000 --family bert --out workdir/vocab > "$out"
+expect "$out" '"vocab_size": 1000'
+test -s workdir/vocab/spm.model
+
+step "bench: a train step, the input pipeline"
+$T bench model --config configs/gpt_cpu.py:smoke --steps 3 --warmup 1 > "$out"
+expect "$out" '"tokens_per_second"'
+$T bench data --objective causal_lm > "$out"
+expect "$out" '"objective_tokens_per_second_per_core"'
 
 step "launch dry run"
 CONFIG=configs/bert_pretrain.py:base ACCELERATOR=v3-32 WORKDIR=gs://BUCKET/bert-base DRY_RUN=1 launch/tpu.sh all > "$out"
