@@ -1,5 +1,5 @@
-"""`t5x-like bench attention` on this CPU: the command the GPU check runs (README, "On a
-GPU"), here over the explicit, XLA and (interpret-mode) Pallas kernels."""
+"""`t5x-like bench attention` on this CPU: the command of the GPU check (docs/benchmarks.md,
+"On a GPU"), here over the explicit, XLA and (interpret-mode) Pallas kernels."""
 
 import json
 

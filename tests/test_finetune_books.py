@@ -163,15 +163,16 @@ def test_smoke_finetune_on_each_variant(variant, fixture, tmp_path, request):
 
 
 def test_the_book_recipe_is_the_measured_one():
-  # The values the README's book-task experiments chose (3 seeds, each init at its best
-  # of 3 learning rates, in and out of domain); change them with new measurements only.
+  # The values the book-task experiments chose (docs/book-task.md; 3 seeds, each init at
+  # its best of 3 learning rates, in and out of domain); change them with new measurements
+  # only.
   bert = load_config_file(f"{CONFIG}:bert")
   assert (bert.task.pooling, bert.task.pooler) == ("mean", False)
   assert (bert.optimizer.name, bert.optimizer.learning_rate) == ("adamw", 1e-3)
   assert (bert.optimizer.schedule, bert.optimizer.warmup_steps) == ("linear", 30)
   assert (bert.train.num_steps, bert.train.batch_size) == (300, 32)
   assert bert.optimizer.weight_decay == 0.01 and bert.task.max_length == 64
-  assert bert.init.checkpoint == ""  # random unless given: the README's two arms
+  assert bert.init.checkpoint == ""  # random unless given: the two arms of docs/book-task.md
   t5 = load_config_file(f"{CONFIG}:t5")
   assert (t5.optimizer.learning_rate, t5.train.num_steps) == (1e-3, 300)
   assert t5.init.config.endswith("t5_cpu.py") and bert.init.config.endswith("bert_cpu.py")

@@ -189,7 +189,7 @@ def test_remat_full_saves_memory_in_estimate_and_in_xla(cpu_plans):
 
 # ------------------------------------------------------------- TPU: the compiler's totals
 # Per-device totals of libtpu 0.0.42.1 compiling the recipes' train steps for their slices
-# (`python -m t5x_like.plan.recipes`, README "The recipes on TPU, compiled here"): the
+# (`python -m t5x_like.plan.recipes`, docs/tpu.md, "The recipes on TPU, compiled here"): the
 # estimate, which compiles nothing, stays within 20% of them. Two peaks: BERT-large
 # phase 1 on v3-128 (2 rows per device) peaks in the optimizer update, BERT-base phase 2
 # on v5e-16 (16 rows, the fused kernel) in the backward pass.
