@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # A short scripted tour of the README's commands, as a new user types them: relative
 # paths, run from the repository root after the README's main job (workdir/bert).
+# Every command line of a ```bash block in README.md is here verbatim (`$T` for
+# `t5x-like`, plus output redirections); the two set-up commands are in .ci/run.
 # Every command must succeed; each check greps what the README says it prints.
 set -euo pipefail
 cd "$(dirname "$0")/.."
