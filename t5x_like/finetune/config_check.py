@@ -57,8 +57,9 @@ def validate_finetune(config, num_devices: Optional[int] = None,
   if t.batch_size % jax.process_count():
     raise ConfigError(f"train.batch_size={t.batch_size} does not divide over"
                       f" {jax.process_count()} processes")
+  # Fine-tuning may leave the loaded weights as they are (learning rate 0), and
   # configs/finetune_books.py's smoke variant warms up over 30 of its 10 steps.
-  check_optimizer(config, allow_long_warmup=True)
+  check_optimizer(config, allow_zero_lr=True, allow_long_warmup=True)
   backbone = backbone_config(config, task, platform)
   check_mesh(config, num_devices, None if backbone is None else build_model(backbone))
 

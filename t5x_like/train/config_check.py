@@ -242,13 +242,15 @@ def _check_train(config) -> None:
     raise ConfigError(str(e)) from None
 
 
-def check_optimizer(config, allow_long_warmup: bool = False) -> None:
-  """config.optimizer, its schedule against config.train.num_steps (allow_long_warmup:
-  a linear / cosine warmup may outlast the decay steps; the run then only warms up)."""
+def check_optimizer(config, *, allow_zero_lr: bool = False,
+                    allow_long_warmup: bool = False) -> None:
+  """config.optimizer, its schedule against config.train.num_steps. allow_zero_lr: a
+  learning rate of 0 (the weights stay as loaded); allow_long_warmup: a linear / cosine
+  warmup may outlast the decay steps (the run then only warms up)."""
   o = config.optimizer
   _choice("optimizer.name", o.name, OPTIMIZERS)
   _choice("optimizer.schedule", o.schedule, SCHEDULES)
-  positive("optimizer.learning_rate", o.learning_rate)
+  positive("optimizer.learning_rate", o.learning_rate, allow_zero=allow_zero_lr)
   positive("optimizer.warmup_steps", o.warmup_steps, allow_zero=True)
   positive("optimizer.decay_steps", o.decay_steps, allow_zero=True)
   positive("optimizer.weight_decay", o.weight_decay, allow_zero=True)
