@@ -20,6 +20,7 @@ import numpy as np
 from t5x_like.finetune import encoding, heads
 from t5x_like.finetune import metrics as metrics_lib
 from t5x_like.finetune.task import Example, Task, label_index
+from t5x_like.models.config import FAMILIES
 from t5x_like.models.layers import compute_dtype
 
 
@@ -29,7 +30,8 @@ class Classification(Task):
   'mean'), and for text to text target_length (label tokens + eos) and task_prefix."""
 
   name: ClassVar[str] = "classification"
-  families: ClassVar[tuple[str, ...]] = ("encoder", "decoder", "encoder_decoder")
+  # Every family: a head on its pair encoding, or text to text where it has none.
+  families: ClassVar[tuple[str, ...]] = FAMILIES
 
   pooler: bool = True  # BERT classification through the pooler
   pooling: str = "cls"  # classification reads [CLS] (GPT: the last token) | mean

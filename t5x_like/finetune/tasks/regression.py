@@ -55,7 +55,7 @@ class Regression(Task):
   """Options: pooler and pooling, as classification's."""
 
   name: ClassVar[str] = "regression"
-  families: ClassVar[tuple[str, ...]] = ("encoder", "decoder")
+  families: ClassVar[tuple[str, ...]] = tuple(encoding.PAIR_ENCODINGS)  # a head: no text to text
   uses_label_list: ClassVar[bool] = False
 
   pooler: bool = True
