@@ -33,6 +33,7 @@ and the workdir itself when the lock created it and it is empty.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import fcntl
@@ -43,7 +44,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 from t5x_like import fs
 from t5x_like.errors import UserError
@@ -340,6 +341,24 @@ class WorkdirLock:
 
   def __exit__(self, *exc) -> None:
     self.release()
+
+
+@contextlib.contextmanager
+def command_lock(fv) -> Iterator[Optional[WorkdirLock]]:
+  """The workdir lock of a `train` / `finetune` command, taken from its parsed flags
+  (fv.workdir and distributed.py's flags) before jax is imported: a second trainer on
+  the workdir is refused in a fraction of a second, not after the start-up. Pass it to
+  the loop (open_run uses it and does not take another).
+
+  Process 0 holds it; the others of a multi-host run get a disabled one. With
+  --distributed=auto no process knows its index before jax starts: None, and the loop
+  takes it.
+  """
+  if fv.distributed == "auto":
+    yield None
+    return
+  with WorkdirLock(fv.workdir, enabled=fv.num_processes <= 1 or fv.process_id == 0) as lock:
+    yield lock
 
 
 def _parse(text: str) -> dict:

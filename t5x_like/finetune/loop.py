@@ -1,6 +1,7 @@
 """The fine-tuning run: `finetune(config, workdir)` trains a backbone + head on a task.
 
-Sections as in train/loop.py, on the same step runner (train/runner.py): the train
+Sections as in train/loop.py, on the same run context (train/run_context.py: the
+workdir lock, checkpoints, metrics, resume) and step runner (train/runner.py): the train
 step, the deterministic host-sharded loader with device prefetch, checkpoints with the
 loader's position, SIGTERM / SIGINT saves, multi-host. A run is a function of (config,
 seed): the rows of step s are rows s*B .. (s+1)*B of the concatenated per-epoch
@@ -15,29 +16,28 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Optional
 
 import jax
 import ml_collections
 
-from t5x_like import fs, parallel
+from t5x_like import fs
 from t5x_like.errors import UserError
+from t5x_like.experiment import build_mesh
 from t5x_like.finetune.backbone import load_backbone
 from t5x_like.finetune.data import read_examples
 from t5x_like.finetune.encoding import EncodedRows, encode_examples
 from t5x_like.finetune.evaluate import Predictor, dev_metrics, prediction_rows
 from t5x_like.finetune.model import FinetuneModel
 from t5x_like.finetune.tasks import task_from_config
-from t5x_like.fs import resolve_path
-from t5x_like.models.model import MODEL_CLASSES
+from t5x_like.models import model_class
 from t5x_like.train.optimizers import make_optimizer
-from t5x_like.train.preemption import Preemption, RunResult
-from t5x_like.train.runner import (StepLoop, device_batches, restore_or_create, run_files,
-                                   run_steps)
-from t5x_like.train.setup_guard import undo_on_user_error
+from t5x_like.train.preemption import RunResult
+from t5x_like.train.run_context import open_run
+from t5x_like.train.runner import Every, StepLoop, device_batches, run_steps
 from t5x_like.train.state import abstract_train_state, create_train_state
 from t5x_like.train.step import make_train_step
 from t5x_like.workdir_lock import WorkdirLock
-
 
 class FinetuneConfigError(UserError, ValueError):
   """A fine-tuning config that cannot run; the message names the key."""
@@ -59,60 +59,55 @@ def _check_config(config) -> None:
 
 
 # ============================================================================ finetune
-def finetune(config: ml_collections.ConfigDict, workdir) -> RunResult:
+def finetune(config: ml_collections.ConfigDict, workdir, *,
+             lock: Optional[WorkdirLock] = None) -> RunResult:
   """Fine-tunes config.init's backbone on config.task in workdir (a path, relative or
   absolute, or a URL such as gs://...; resumes there); returns the final dev metrics
-  (RunResult; status 'stopped' after SIGTERM / Ctrl-C: a checkpoint is saved, rerun).
-  A UserError (bad config, rows, backbone, a locked workdir) leaves the workdir as it
-  was."""
+  (RunResult; status 'stopped' after SIGTERM / Ctrl-C: a checkpoint is saved, rerun;
+  'already_finished' when the workdir's run had ended: its outputs are written again
+  from the last checkpoint). A UserError (bad config, rows, backbone, a locked workdir)
+  leaves the workdir as it was. lock: the workdir's lock when the caller holds it (the
+  finetune command takes it before building anything); None takes it here."""
   _check_config(config)
   task = task_from_config(config.task)
-  workdir_path = resolve_path(workdir, "workdir")
-  is_main = jax.process_index() == 0
-  with WorkdirLock(workdir_path, enabled=is_main), \
-       undo_on_user_error(workdir_path, enabled=is_main) as setup:
-    return _finetune(config, task, os.fspath(workdir_path), setup)
-
-
-def _finetune(config, task, workdir: str, setup) -> RunResult:
   tc = config.train
+  with open_run(workdir, total_steps=tc.num_steps, keep=2, async_save=False,
+                lock=lock) as run:
 
-  # ---------------------------------------------------------------- backbone, data
-  backbone = load_backbone(config)
-  family = backbone.model_config.family
-  train_set = read_examples(config.task.train_file, task)
-  dev_set = read_examples(config.task.dev_file, task, labels=train_set.labels)
-  targets = None
-  if MODEL_CLASSES[family].finetunes_text_to_text:
+    # ---------------------------------------------------------- backbone, data, mesh
+    backbone = load_backbone(config)
+    family = backbone.model_config.family
+    train_set = read_examples(config.task.train_file, task)
+    dev_set = read_examples(config.task.dev_file, task, labels=train_set.labels)
+    targets = None
+    if model_class(backbone.model_config).finetunes_text_to_text:
+      try:
+        targets = task.label_targets(backbone.tokenizer, train_set.labels)
+      except ValueError as e:
+        raise FinetuneConfigError(f"config.task.target_length: {e}") from None
+    encode_kw = dict(family=family, label_names=train_set.labels)
     try:
-      targets = task.label_targets(backbone.tokenizer, train_set.labels)
+      train_features, train_stats = encode_examples(train_set.examples, backbone.tokenizer,
+                                                    task, **encode_kw)
+      dev_features, dev_stats = encode_examples(dev_set.examples, backbone.tokenizer, task,
+                                                **encode_kw)
+      model = FinetuneModel(backbone.model_config, task, num_labels=len(train_set.labels),
+                            label_targets=targets)
     except ValueError as e:
-      raise FinetuneConfigError(f"config.task.target_length: {e}") from None
-  encode_kw = dict(family=family, label_names=train_set.labels)
-  try:
-    train_features, train_stats = encode_examples(train_set.examples, backbone.tokenizer,
-                                                  task, **encode_kw)
-    dev_features, dev_stats = encode_examples(dev_set.examples, backbone.tokenizer, task,
-                                              **encode_kw)
-    model = FinetuneModel(backbone.model_config, task, num_labels=len(train_set.labels),
-                          label_targets=targets)
-  except ValueError as e:
-    raise FinetuneConfigError(f"config.task ({task.name}): {e}") from None
-  mesh = parallel.mesh_from_config(config.mesh)
-  rules = tuple(config.mesh.rules) or parallel.DEFAULT_RULES
-  trained = {k: v for k, v in train_features.items() if k not in task.host_features}
-  batch_shapes = {k: (tc.batch_size, *v.shape[1:]) for k, v in trained.items()}
-  optimizer, schedule = make_optimizer(config.optimizer, tc.num_steps)
+      raise FinetuneConfigError(f"config.task ({task.name}): {e}") from None
+    mesh, rules = build_mesh(config)
+    trained = {k: v for k, v in train_features.items() if k not in task.host_features}
+    batch_shapes = {k: (tc.batch_size, *v.shape[1:]) for k, v in trained.items()}
+    optimizer, schedule = make_optimizer(config.optimizer, tc.num_steps)
+    run.writer.log(f"backbone: {backbone.source}; {model.num_params():,} params; task"
+                   f" {task.name} with {len(train_set.labels)} labels; train"
+                   f" {json.dumps(train_stats)} of {train_set.path}"
+                   f" ({train_set.stats['bad_rows']} bad rows skipped); dev"
+                   f" {json.dumps(dev_stats)} of {dev_set.path}"
+                   f" ({dev_set.stats['bad_rows']} bad rows skipped);"
+                   f" {jax.process_count()} process(es)")
 
-  # ---------------------------------------------------------------- state, resume
-  with run_files(workdir, total_steps=tc.num_steps, keep=2, async_save=False) as (
-      checkpointer, writer):
-    writer.log(f"backbone: {backbone.source}; {model.num_params():,} params; task {task.name}"
-               f" with {len(train_set.labels)} labels; train {json.dumps(train_stats)} of"
-               f" {train_set.path} ({train_set.stats['bad_rows']} bad rows skipped); dev"
-               f" {json.dumps(dev_stats)} of {dev_set.path} ({dev_set.stats['bad_rows']} bad"
-               f" rows skipped); {jax.process_count()} process(es)")
-
+    # ------------------------------------------------------------------ state, resume
     def create():
       state, shardings = create_train_state(model, optimizer, mesh, rules, batch_shapes,
                                             jax.random.key(config.seed))
@@ -121,18 +116,13 @@ def _finetune(config, task, workdir: str, setup) -> RunResult:
         state = state.replace(params=jax.device_put(params, shardings.params))
       return state, shardings
 
-    abstract = abstract_train_state(model, optimizer, mesh, rules, batch_shapes)
-    start = restore_or_create(checkpointer, abstract, create, setup)
-    data_state = None
-    if start.extra is None:
-      writer.truncate_after(0)  # rows of a run killed before its first checkpoint
-    else:
-      writer.truncate_after(start.step)
-      writer.log(f"resumed from step {start.step}")
-      # A checkpoint of a version before the shared loader: its position is its step.
-      data_state = start.extra.get("data", {"next_index": start.step})
+    start = run.start(abstract_train_state(model, optimizer, mesh, rules, batch_shapes),
+                      create)
+    # A checkpoint of a version before the shared loader: its position is its step.
+    data_state = (None if start.extra is None else
+                  start.extra.get("data", {"next_index": start.step}))
 
-    # -------------------------------------------------------------- train
+    # -------------------------------------------------------------------------- train
     predictor = Predictor(model, batch_size=tc.batch_size, mesh=mesh, rules=rules,
                           tokenizer=backbone.tokenizer, label_names=train_set.labels)
     last = {}
@@ -140,39 +130,40 @@ def _finetune(config, task, workdir: str, setup) -> RunResult:
     def evaluate(state, step: int) -> dict:
       last["predictions"] = predictor(state.params, dev_features)
       result = dev_metrics(model, last["predictions"], dev_features, dev_set)
-      writer.log(f"step {step}: dev " + ", ".join(f"{k}={v:.4f}" for k, v in result.items()))
+      run.writer.log(f"step {step}: dev "
+                     + ", ".join(f"{k}={v:.4f}" for k, v in result.items()))
       return result
 
     def scalars(metrics, step: int, seconds: float) -> dict:
       return {"loss": float(metrics["loss"]), "learning_rate": float(schedule(step - 1)),
               "seconds_per_step": seconds}
 
-    train_step = make_train_step(model, optimizer, schedule, microbatches=tc.microbatches,
-                                 mesh=mesh, rules=rules, state_shardings=start.shardings,
-                                 batch_shapes=batch_shapes)
-    batches = device_batches(EncodedRows(trained, config.seed), tc.batch_size, seed=config.seed,
-                             mesh=mesh, rules=rules, shuffle=False, data_state=data_state)
-    started, preemption = time.perf_counter(), Preemption()
-    try:
+    if start.finished:  # the outputs again, from the final checkpoint
+      started = time.perf_counter()
+      step, dev = start.step, evaluate(start.state, start.step)
+    else:
+      train_step = make_train_step(model, optimizer, schedule, microbatches=tc.microbatches,
+                                   mesh=mesh, rules=rules, state_shardings=start.shardings,
+                                   batch_shapes=batch_shapes)
+      batches = device_batches(EncodedRows(trained, config.seed), tc.batch_size,
+                               seed=config.seed, mesh=mesh, rules=rules, shuffle=False,
+                               data_state=data_state)
+      started = time.perf_counter()
       step, _, dev, stopped = run_steps(StepLoop(
-          train_step, batches, jax.random.key(config.seed + 1), checkpointer, writer,
-          preemption, evaluate, scalars, log_every=tc.log_every,
-          checkpoint_every=tc.checkpoint_every, eval_every=tc.eval_every,
-          eval_row=lambda result: {f"dev_{k}": v for k, v in result.items()}),
+          train_step, batches, jax.random.key(config.seed + 1), run, Every.of(tc), evaluate,
+          scalars, eval_row=lambda result: {f"dev_{k}": v for k, v in result.items()}),
                                         start.state, start.step, tc.num_steps)
-    finally:
-      preemption.restore()
-  if stopped:
-    return RunResult(dev, step, "stopped", preemption.requested)
+      if stopped:
+        return RunResult(dev, step, "stopped", run.preemption.requested)
 
-  # ---------------------------------------------------------------- outputs
-  final = dict(dev, step=step, train_examples=len(train_set.examples),
-               dev_examples=len(dev_set.examples), backbone=backbone.source,
-               seconds=round(time.perf_counter() - started, 1))
-  if jax.process_index() == 0:
-    rows = prediction_rows(model, last["predictions"], dev_set, dev_features)
-    fs.write_bytes(os.path.join(workdir, "dev_predictions.jsonl"),
-                   "".join(json.dumps(row) + "\n" for row in rows).encode())
-    fs.write_bytes(os.path.join(workdir, "final_metrics.json"),
-                   json.dumps(final, indent=1).encode())
-  return RunResult(final, step, "finished")
+    # ------------------------------------------------------------------------ outputs
+    final = dict(dev, step=step, train_examples=len(train_set.examples),
+                 dev_examples=len(dev_set.examples), backbone=backbone.source,
+                 seconds=round(time.perf_counter() - started, 1))
+    if jax.process_index() == 0:
+      rows = prediction_rows(model, last["predictions"], dev_set, dev_features)
+      fs.write_bytes(os.path.join(run.workdir, "dev_predictions.jsonl"),
+                     "".join(json.dumps(row) + "\n" for row in rows).encode())
+      fs.write_bytes(os.path.join(run.workdir, "final_metrics.json"),
+                     json.dumps(final, indent=1).encode())
+    return RunResult(final, step, "already_finished" if start.finished else "finished")

@@ -18,6 +18,8 @@ from ml_collections import config_flags
 
 from t5x_like.command_flags import parse_flags
 from t5x_like.distributed import define_distributed_flags, initialize_distributed
+from t5x_like.train.preemption import exit_at_once_on_interrupt
+from t5x_like.workdir_lock import command_lock
 
 
 def _flags(argv: list[str]) -> flags.FlagValues:
@@ -32,6 +34,12 @@ def _flags(argv: list[str]) -> flags.FlagValues:
 
 def main(argv: list[str]) -> int:
   fv = parse_flags("finetune", argv, _flags, required=("config", "workdir"), doc=__doc__)
+  # The lock before jax starts: a second fine-tuning is refused at once.
+  with exit_at_once_on_interrupt("finetune"), command_lock(fv) as lock:
+    return _finetune(fv, lock)
+
+
+def _finetune(fv: flags.FlagValues, lock) -> int:
   initialize_distributed(fv, "finetune")
   import jax
   from t5x_like.finetune.config_check import validate_finetune
@@ -40,7 +48,7 @@ def main(argv: list[str]) -> int:
   from t5x_like.finetune.loop import finetune
   from t5x_like.errors import NonFiniteLossError
   try:  # a UserError (config, rows, backbone, checkpoint) is reported by t5x_like.cli
-    final = finetune(fv.config, fv.workdir)
+    final = finetune(fv.config, fv.workdir, lock=lock)
   except NonFiniteLossError as e:
     print(f"t5x-like finetune: {e}", file=sys.stderr)
     return 1

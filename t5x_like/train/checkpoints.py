@@ -41,6 +41,7 @@ from t5x_like import fs
 from t5x_like.errors import UserError
 from t5x_like.train import checkpoint_integrity as integrity
 from t5x_like.train import checkpoint_space as space
+from t5x_like.train import failpoints
 from t5x_like.train.read_leftovers import quiet_read_leftovers
 from t5x_like.train.checkpoint_integrity import (  # noqa: F401  (the public names)
     COMMIT_MARKER, EXTRA, STATE, TMP_MARKER, CheckpointDirectoryError, CorruptCheckpointError,
@@ -107,6 +108,7 @@ class Checkpointer:
     self._state_handler = ocp.StandardCheckpointHandler()  # for reads: see `restore`
     self._extra_handler = ocp.JsonCheckpointHandler()
     self._sealing: Optional[_Sealing] = None
+    self.abandoned = False
 
   def save(self, step: int, state: Any, extra: dict, *, force: bool = False) -> bool:
     """Saves `state` and the JSON dict `extra` at `step`; True if a save was started.
@@ -148,6 +150,13 @@ class Checkpointer:
   def wait(self) -> None:
     """Blocks until every started save is committed and sealed (raises its failure)."""
     self._settle()
+
+  def abandon(self) -> None:
+    """Stops waiting for the save in flight, for a process about to end at once (a
+    second Ctrl-C): that save is never sealed (no checksums), so a rerun sets it aside
+    and resumes from the step before; nothing else is touched, nothing closed."""
+    self.abandoned = True
+    self._sealing = None
 
   def close(self) -> None:
     """Waits for pending saves and releases the manager."""
@@ -361,8 +370,10 @@ class _Sealing:
   def _run(self) -> None:
     ckpt, path = self._ckpt, self._ckpt.directory / str(self.step)
     try:
+      failpoints.stall_save(self.step)
       ckpt._manager.wait_until_finished()  # pylint: disable=protected-access
-      integrity.seal(path, jax.process_index(), jax.process_count())
+      if not ckpt.abandoned:  # else unsealed: a rerun resumes from the step before
+        integrity.seal(path, jax.process_index(), jax.process_count())
     except BaseException as e:  # noqa: BLE001  (raised by `Checkpointer._settle`)
       self.error = e
     try:

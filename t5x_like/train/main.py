@@ -15,6 +15,8 @@ from ml_collections import config_flags
 
 from t5x_like.command_flags import parse_flags
 from t5x_like.distributed import define_distributed_flags, initialize_distributed
+from t5x_like.train.preemption import exit_at_once_on_interrupt
+from t5x_like.workdir_lock import command_lock
 
 
 def _flags(argv: list[str]) -> flags.FlagValues:
@@ -30,11 +32,17 @@ def _flags(argv: list[str]) -> flags.FlagValues:
 
 def main(argv: list[str]) -> int:
   fv = parse_flags("train", argv, _flags, required=("config", "workdir"), doc=__doc__)
+  # The lock before jax is imported: a second trainer is refused at once.
+  with exit_at_once_on_interrupt("train"), command_lock(fv) as lock:
+    return _train(fv, lock)
+
+
+def _train(fv: flags.FlagValues, lock) -> int:
   initialize_distributed(fv, "train")
   from t5x_like.errors import NonFiniteLossError
   from t5x_like.train.loop import train
   try:
-    result = train(fv.config, fv.workdir)
+    result = train(fv.config, fv.workdir, lock=lock)
   except NonFiniteLossError as e:
     print(f"t5x-like train: {e}", file=sys.stderr)
     return 1

@@ -4,15 +4,18 @@
   ... after each step: if preemption.requested: save a checkpoint, stop ...
   preemption.restore()          # the previous handlers back
 
-Used by pretraining (train/loop.py) and fine-tuning (finetune/loop.py), which return
-a RunResult saying whether they finished or stopped.
+Used by pretraining (train/loop.py) and fine-tuning (finetune/loop.py), through
+train/run_context.py; they return a RunResult saying whether they finished or stopped.
+Their commands end at once on a second Ctrl-C (exit_at_once_on_interrupt).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
-from typing import Optional
+from typing import Iterator, Optional
 
 
 class Preemption:
@@ -42,6 +45,7 @@ class Preemption:
 EXIT_FINISHED = 0  # trained to the end (now or before)
 EXIT_FAILURE = 1  # e.g. a non-finite loss, a crash
 EXIT_USER_ERROR = 2  # t5x_like.errors.UserError: one line naming the key, file or path
+EXIT_INTERRUPTED = 130  # a second Ctrl-C: stopped at once, without saving
 
 
 def stopped_exit_code(signal_name: str) -> int:
@@ -51,13 +55,32 @@ def stopped_exit_code(signal_name: str) -> int:
   return 128 + signal.Signals[signal_name].value
 
 
+@contextlib.contextmanager
+def exit_at_once_on_interrupt(command: str) -> Iterator[None]:
+  """For the train and finetune commands: a KeyboardInterrupt (a second Ctrl-C, or one
+  before training started) ends the process at once, once the `with` blocks inside have
+  unwound (the workdir lock released, the metric files closed): one line on stderr and
+  exit status 130. A save in flight is abandoned, not waited for (run_context.open_run):
+  its background threads end with the process instead of running on into the
+  interpreter's shutdown (where they met "cannot schedule new futures after interpreter
+  shutdown"). The workdir is then as after a kill: the unfinished
+  save is set aside at the rerun, which resumes from the last complete checkpoint."""
+  try:
+    yield
+  except KeyboardInterrupt:
+    print(f"t5x-like {command}: interrupted; stopped without saving (a rerun resumes"
+          " from the last complete checkpoint)", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_INTERRUPTED)  # pylint: disable=protected-access
+
+
 class RunResult(dict):
   """The last eval metrics (pretraining) or the final dev metrics (fine-tuning), as a
   dict, with how the run ended.
 
   step: the step reached. status: 'finished' (trained to the end now),
-  'already_finished' (the workdir's run had ended; the metrics are its last eval row)
-  or 'stopped' (by the signal `stopped_by`; a checkpoint of `step` is saved and a rerun
+  'already_finished' (the workdir's run had ended; the metrics are its last eval row,
+  or in fine-tuning the dev metrics of its final checkpoint) or 'stopped' (by the signal `stopped_by`; a checkpoint of `step` is saved and a rerun
   resumes). exit_code: the command's exit status for it.
   """
 

@@ -1,10 +1,12 @@
 """The step runner shared by pretraining (train/loop.py) and fine-tuning (finetune/loop.py).
 
-  with run_files(workdir, total_steps=..., keep=..., async_save=...) as (checkpointer, writer):
-    start = restore_or_create(checkpointer, abstract_state, create, setup)
+  with open_run(workdir, total_steps=..., keep=..., async_save=...) as run:  # run_context
+    start = run.start(abstract_state, create)
     batches = device_batches(objective, batch_size, seed=..., mesh=mesh, rules=rules,
                              data_state=start.extra and start.extra["data"])
-    step, state, evals, stopped = run_steps(StepLoop(...), start.state, start.step, until)
+    step, state, evals, stopped = run_steps(
+        StepLoop(train_step, batches, rng, run, Every.of(config.train), evaluate, scalars),
+        start.state, start.step, until)
 
 One loop for both: the train step on device-prefetched batches of the deterministic
 host-sharded loader, train rows every log_every steps (a non-finite loss stops the
@@ -14,12 +16,9 @@ every eval_every steps, and on SIGTERM / SIGINT a checkpoint and a clean stop.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import signal
 import time
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -27,61 +26,15 @@ import numpy as np
 from t5x_like.data.loader import make_loader
 from t5x_like.errors import NonFiniteLossError
 from t5x_like.parallel import shard_batch
-from t5x_like.train.checkpoints import Checkpointer
-from t5x_like.train.metrics import MetricWriter
-from t5x_like.train.preemption import Preemption
+from t5x_like.train import failpoints
+from t5x_like.train.failpoints import FAILPOINT_ENV  # noqa: F401  (the tests' name for it)
 from t5x_like.train.prefetch import DevicePrefetcher
+from t5x_like.train.run_context import Run
 
 # Fault injection for the kill tests: T5X_LIKE_FAILPOINT="POINT@STEP" SIGKILLs this
-# process at POINT ("before_row", "after_row", "after_save") of step STEP.
-FAILPOINT_ENV = "T5X_LIKE_FAILPOINT"
-
-
-def failpoint(point: str, step: int) -> None:
-  """Dies by SIGKILL here when T5X_LIKE_FAILPOINT names this point and step."""
-  wanted = os.environ.get(FAILPOINT_ENV)
-  if wanted and wanted == f"{point}@{step}":
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-@contextlib.contextmanager
-def run_files(workdir: str, *, total_steps: int, keep: int, async_save: bool):
-  """(Checkpointer of workdir/checkpoints, MetricWriter of workdir); both closed (after
-  pending saves) on the way out, whatever happens."""
-  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=keep,
-                              async_save=async_save)
-  writer = MetricWriter(workdir, total_steps=total_steps,
-                        is_main_process=jax.process_index() == 0)
-  try:
-    yield checkpointer, writer
-  finally:
-    try:
-      checkpointer.wait()
-      checkpointer.close()
-    finally:
-      writer.close()
-
-
-class Start(NamedTuple):
-  """Where a run starts: step 0 and a fresh state, or its latest checkpoint."""
-  step: int
-  state: Any
-  shardings: Any  # of the train state
-  extra: Optional[dict]  # the checkpoint's extra (None: a fresh start)
-
-
-def restore_or_create(checkpointer: Checkpointer, abstract_state, create: Callable[[], tuple],
-                      setup) -> Start:
-  """The latest checkpoint restored into `abstract_state`'s shardings, or
-  create() -> (state, shardings) when there is none. setup.done() once the workdir holds
-  a run (train/setup_guard.py: from then on nothing is undone)."""
-  restored = checkpointer.restore_latest(abstract_state)
-  setup.done()
-  if restored is None:
-    state, shardings = create()
-    return Start(0, state, shardings, None)
-  step, state, extra = restored
-  return Start(step, state, jax.tree.map(lambda x: x.sharding, abstract_state), extra)
+# process at POINT ("before_row", "after_row", "after_save") of step STEP; the others
+# are in train/failpoints.py.
+failpoint = failpoints.kill_at
 
 
 def device_batches(objective, batch_size: int, *, seed: int, mesh, rules, shuffle: bool = True,
@@ -95,26 +48,46 @@ def device_batches(objective, batch_size: int, *, seed: int, mesh, rules, shuffl
   return DevicePrefetcher(host_batches, lambda b: shard_batch(b, mesh, rules))
 
 
+class Every(NamedTuple):
+  """When run_steps writes a train row, checkpoints and evaluates: every `log`,
+  `checkpoint` and `eval` steps (0: never). The last step always does all three."""
+  log: int
+  checkpoint: int = 0
+  eval: int = 0
+
+  @classmethod
+  def of(cls, train_config) -> "Every":
+    """From config.train's log_every, checkpoint_every and eval_every."""
+    return cls(train_config.log_every, train_config.checkpoint_every, train_config.eval_every)
+
+  def logs(self, step: int) -> bool:
+    return step % self.log == 0
+
+  def checkpoints(self, step: int) -> bool:
+    return bool(self.checkpoint and step % self.checkpoint == 0)
+
+  def evaluates(self, step: int) -> bool:
+    return bool(self.eval and step % self.eval == 0)
+
+
 @dataclasses.dataclass
 class StepLoop:
-  """What run_steps needs. evaluate(state, step) -> eval metrics, and eval_row(metrics)
-  -> the scalars they add to the step's row; scalars(metrics, step, seconds per step)
-  -> the train row; checkpoint_extra() -> what a checkpoint keeps besides the state and
-  the loader's position ("data")."""
+  """What run_steps needs besides the state: train_step(state, batch, rng) -> (state,
+  metrics) on `batches`; the run's checkpointer, writer and preemption (`run`); when
+  (`every`); evaluate(state, step) -> eval metrics, and eval_row(metrics) -> the scalars
+  they add to the step's row; scalars(metrics, step, seconds per step) -> the train
+  row; checkpoint_extra: what a checkpoint keeps besides the state and the loader's
+  position ("data")."""
 
   train_step: Callable
   batches: DevicePrefetcher
   rng: jax.Array
-  checkpointer: Checkpointer
-  writer: MetricWriter
-  preemption: Preemption
+  run: Run
+  every: Every
   evaluate: Callable[[Any, int], dict]
   scalars: Callable[[dict, int, float], dict]
-  log_every: int
-  checkpoint_every: int = 0
-  eval_every: int = 0
-  checkpoint_extra: Callable[[], dict] = dict
   eval_row: Callable[[dict], dict] = dict
+  checkpoint_extra: dict = dataclasses.field(default_factory=dict)
 
 
 def run_steps(loop: StepLoop, state, step: int, until_step: int):
@@ -126,11 +99,12 @@ def run_steps(loop: StepLoop, state, step: int, until_step: int):
   a checkpoint whose rows are all written, and drops the rows after it
   (MetricWriter.truncate_after), so no row is lost or written twice.
   """
-  checkpointer, writer = loop.checkpointer, loop.writer
+  run, every = loop.run, loop.every
+  checkpointer, writer = run.checkpointer, run.writer
 
   def save(step: int, force: bool = False):
     writer.flush()  # a remote metrics file holds every row its checkpoint has seen
-    checkpointer.save(step, state, {"data": loop.batches.get_state(), **loop.checkpoint_extra()},
+    checkpointer.save(step, state, {"data": loop.batches.get_state(), **loop.checkpoint_extra},
                       force=force)
 
   eval_metrics: dict = {}
@@ -138,13 +112,14 @@ def run_steps(loop: StepLoop, state, step: int, until_step: int):
   while step < until_step:
     state, metrics = loop.train_step(state, next(loop.batches), loop.rng)
     step += 1
+    failpoints.interrupt_at(step)
     checkpointer.poll()  # a save that failed in the background stops the run now
     interval_steps += 1
     at_end = step == until_step
-    at_checkpoint = bool(loop.checkpoint_every and step % loop.checkpoint_every == 0)
-    stopping = bool(loop.preemption.requested) and not at_end
+    at_checkpoint = every.checkpoints(step)
+    stopping = bool(run.preemption.requested) and not at_end
     row: dict = {}
-    if step % loop.log_every == 0 or at_checkpoint or at_end or stopping:
+    if every.logs(step) or at_checkpoint or at_end or stopping:
       metrics = jax.device_get(metrics)
       loss = float(metrics["loss"])
       if not np.isfinite(loss):
@@ -155,7 +130,7 @@ def run_steps(loop: StepLoop, state, step: int, until_step: int):
       row.update(loop.scalars(metrics, step, seconds))
       writer.progress(step, loss)
       interval_start, interval_steps = time.perf_counter(), 0
-    if at_end or (loop.eval_every and step % loop.eval_every == 0):
+    if at_end or every.evaluates(step):
       eval_metrics = loop.evaluate(state, step)
       row.update(loop.eval_row(eval_metrics))
     failpoint("before_row", step)
@@ -163,7 +138,7 @@ def run_steps(loop: StepLoop, state, step: int, until_step: int):
       writer.write_scalars(step, row)
     failpoint("after_row", step)
     if stopping:
-      writer.log(f"{loop.preemption.requested}: saving a checkpoint at step {step} and"
+      writer.log(f"{run.preemption.requested}: saving a checkpoint at step {step} and"
                  " stopping; rerun the same command to resume")
       save(step, force=True)
       return step, state, eval_metrics, True
