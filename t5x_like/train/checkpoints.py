@@ -108,7 +108,6 @@ class Checkpointer:
     self._state_handler = ocp.StandardCheckpointHandler()  # for reads: see `restore`
     self._extra_handler = ocp.JsonCheckpointHandler()
     self._sealing: Optional[_Sealing] = None
-    self.abandoned = False
 
   def save(self, step: int, state: Any, extra: dict, *, force: bool = False) -> bool:
     """Saves `state` and the JSON dict `extra` at `step`; True if a save was started.
@@ -150,13 +149,6 @@ class Checkpointer:
   def wait(self) -> None:
     """Blocks until every started save is committed and sealed (raises its failure)."""
     self._settle()
-
-  def abandon(self) -> None:
-    """Stops waiting for the save in flight, for a process about to end at once (a
-    second Ctrl-C): that save is never sealed (no checksums), so a rerun sets it aside
-    and resumes from the step before; nothing else is touched, nothing closed."""
-    self.abandoned = True
-    self._sealing = None
 
   def close(self) -> None:
     """Waits for pending saves and releases the manager."""
@@ -370,10 +362,9 @@ class _Sealing:
   def _run(self) -> None:
     ckpt, path = self._ckpt, self._ckpt.directory / str(self.step)
     try:
-      failpoints.stall_save(self.step)
+      failpoints.stall_save(self.step)  # a test's save still being written
       ckpt._manager.wait_until_finished()  # pylint: disable=protected-access
-      if not ckpt.abandoned:  # else unsealed: a rerun resumes from the step before
-        integrity.seal(path, jax.process_index(), jax.process_count())
+      integrity.seal(path, jax.process_index(), jax.process_count())
     except BaseException as e:  # noqa: BLE001  (raised by `Checkpointer._settle`)
       self.error = e
     try:

@@ -14,9 +14,10 @@ open_run takes the WorkdirLock (or uses the one a command took before importing 
 workdir_lock.command_lock), then the undo guard, and opens the Checkpointer of
 <workdir>/checkpoints and the MetricWriter of <workdir>. On the way out, whatever
 happens, it waits for the saves in flight and closes both, restores the signal
-handlers and releases the lock; except after a KeyboardInterrupt (a second Ctrl-C): the
-save in flight is then abandoned (Checkpointer.abandon), not waited for, and the command
-ends the process at once (preemption.exit_at_once_on_interrupt).
+handlers and releases the lock; except after a KeyboardInterrupt (a second Ctrl-C): a
+save in flight is then abandoned, not waited for, and the command ends the process at
+once (preemption.exit_at_once_on_interrupt), leaving that save unfinished: the rerun
+sets it aside and resumes from the last complete checkpoint.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Run:
   writer: MetricWriter
   setup: Any  # train/setup_guard.py: done() once the workdir holds a run
   preemption: Optional[Preemption] = None
+  abandoned: bool = False  # a KeyboardInterrupt: the way out waits for no save
 
   def start(self, abstract_state, create: Callable[[], tuple]) -> Start:
     """The latest checkpoint restored into `abstract_state`'s shardings, or
@@ -85,11 +87,11 @@ class Run:
     Ctrl-C during a save) abandons the save."""
     try:
       try:
-        if not self.checkpointer.abandoned:
+        if not self.abandoned:
           self.checkpointer.wait()
           self.checkpointer.close()
       except KeyboardInterrupt:
-        self.checkpointer.abandon()
+        self.abandoned = True
         raise
       finally:
         self.writer.close()
@@ -124,7 +126,7 @@ def open_run(workdir, *, total_steps: int, keep: Optional[int], async_save: bool
     try:
       yield run
     except KeyboardInterrupt:
-      run.checkpointer.abandon()  # a second Ctrl-C: stop now, without saving
+      run.abandoned = True  # a second Ctrl-C: stop now, without saving
       raise
     finally:
       run._close()  # pylint: disable=protected-access
