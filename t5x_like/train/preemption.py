@@ -80,8 +80,9 @@ class RunResult(dict):
 
   step: the step reached. status: 'finished' (trained to the end now),
   'already_finished' (the workdir's run had ended; the metrics are its last eval row,
-  or in fine-tuning the dev metrics of its final checkpoint) or 'stopped' (by the signal `stopped_by`; a checkpoint of `step` is saved and a rerun
-  resumes). exit_code: the command's exit status for it.
+  or in fine-tuning the dev metrics of its final checkpoint) or 'stopped' (by the
+  signal `stopped_by`; a checkpoint of `step` is saved and a rerun resumes).
+  exit_code: the command's exit status for it.
   """
 
   def __init__(self, metrics: dict, step: int, status: str,
