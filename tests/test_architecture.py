@@ -7,8 +7,8 @@ import ast
 import os
 
 import pytest
+from helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "t5x_like")
 MAX_LINES = 420
 

@@ -88,7 +88,8 @@ def _run(capsys, argv):
 
 @pytest.mark.parametrize("config,decode", [("configs/bert_cpu.py:smoke", False),
                                            ("configs/gpt_cpu.py:smoke", True),
-                                           ("configs/t5_cpu.py:smoke", True)])
+                                           pytest.param("configs/t5_cpu.py:smoke", True,
+                                                        marks=pytest.mark.slow)])
 def test_bench_model_reports_consistent_figures(capsys, config, decode):
   code, out, err = _run(capsys, ["bench", "model", "--config", config, "--steps", "3",
                                  "--warmup", "1", "--config.train.batch_size=8"])
@@ -138,6 +139,7 @@ def test_bench_model_reports_consistent_figures(capsys, config, decode):
         8 / out["decode"]["step_seconds_median"], rel=5e-3)
 
 
+@pytest.mark.slow
 def test_bench_compile_reports_each_depth(capsys):
   code, out, err = _run(capsys, ["bench", "compile", *_TINY_BERT, "--layers", "1,3"])
   assert code == 0, err
@@ -147,6 +149,7 @@ def test_bench_compile_reports_each_depth(capsys):
   assert all(r["compile_seconds"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_bench_bert_vs_torch_runs_both_frameworks(capsys):
   code, out, err = _run(capsys, ["bench", "bert-vs-torch", *_TINY_BERT, "--steps", "1",
                                  "--rounds", "2", "--warmup", "1"])
@@ -200,6 +203,7 @@ def test_console_command_runs_with_huge_pages_and_leaves_out_an_absent_tpu():
     assert "TPU" not in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 def test_bench_data_prepared_reports_each_size(capsys):
   """`bench data --prepared` on two tiny synthetic corpora: the same tokens whatever the
   worker count, start-up figures for both verification modes, a working objective."""

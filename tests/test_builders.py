@@ -17,8 +17,8 @@ from t5x_like.models.model import (MODEL_CLASSES, DecoderModel, EncoderDecoderMo
 from t5x_like.train import flops
 from t5x_like.train.config_check import ConfigError
 from t5x_like.train.defaults import load_config_file
+from helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "t5x_like")
 FINETUNE = os.path.join(ROOT, "configs", "finetune_books.py")
 # The trainer's and fine-tuning's loops still build their rules themselves (their

@@ -16,8 +16,8 @@ from t5x_like.models.config import ModelConfig
 from t5x_like.train import loop
 from t5x_like.train.config_check import ConfigError, mesh_axis_sizes, validate
 from t5x_like.train.defaults import default_config, parse_arg
+from helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
 
 # Every variant of every config, with the devices of the topology it is made for.

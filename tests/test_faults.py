@@ -22,7 +22,8 @@ import time
 from t5x_like.train.failpoints import FAILPOINT_ENV
 from t5x_like.workdir_lock import LOCK_NAME, WorkdirLock
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
+
 BERT = os.path.join(ROOT, "configs", "bert_cpu.py")
 GPT = os.path.join(ROOT, "configs", "gpt_cpu.py")
 FINETUNE = os.path.join(ROOT, "configs", "finetune_books.py")

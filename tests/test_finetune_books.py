@@ -14,8 +14,8 @@ import pytest
 from t5x_like import cli, corpus
 from t5x_like.finetune import books_ood
 from t5x_like.train.defaults import load_config_file
+from helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "finetune_books.py")
 UNSEEN = ("carroll_alices_adventures_in_wonderland", "shelley_frankenstein",
           "wells_the_time_machine")

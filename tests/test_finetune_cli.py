@@ -22,8 +22,8 @@ from t5x_like.data.loader import make_loader
 from t5x_like.finetune.encoding import EncodedRows
 from t5x_like.train.metrics import read_jsonl
 from t5x_like.train.pretrained import find_checkpoint
+from helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "finetune_books.py")
 BERT_CPU = os.path.join(ROOT, "configs", "bert_cpu.py")
 
@@ -187,11 +187,11 @@ def test_finetune_from_random_init_resumes_to_the_same_numbers(tmp_path, task_di
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_finetune_signal_saves_exits_128_plus_signal_and_resumes(signum, tmp_path, task_dir):
-  """SIGTERM / Ctrl-C: a checkpoint at the current step, exit 128 + the signal (143 /
-  130), no traceback; the rerun finishes with every loss equal to an uninterrupted
-  run's."""
+def test_finetune_sigterm_saves_exits_143_and_resumes(tmp_path, task_dir):
+  """SIGTERM: a checkpoint at the current step, exit 143, no traceback; the rerun
+  finishes with every loss equal to an uninterrupted run's. (Ctrl-C takes the same path
+  through the shared run context: tests/test_train.py sends both to the trainer.)"""
+  signum = signal.SIGTERM
   args = ("--config.train.num_steps=300", "--config.train.log_every=1",
           "--config.train.checkpoint_every=0", "--config.train.eval_every=0")
   assert _finetune(str(tmp_path / "whole"), task_dir, *args) == 0
@@ -239,7 +239,7 @@ def test_finetune_killed_at_a_random_step_resumes_to_the_same_losses(tmp_path, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["bert,smoke", "t5,smoke"])
+@pytest.mark.parametrize("variant", ["bert,smoke"])
 def test_two_processes_fine_tune_like_one(variant, tmp_path, task_dir, bert_workdir):
   """2 processes x 4 devices (jax.distributed) against 1 process x 8 devices: the same
   losses, dev metrics and dev predictions. BERT starts from a pretrained checkpoint,
@@ -299,6 +299,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_finetune_from_a_hugging_face_bert_with_its_vocab_txt(tmp_path, task_dir, capsys):
   import torch
   import transformers

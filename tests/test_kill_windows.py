@@ -1,66 +1,53 @@
-"""Kills at every point around a step that both evaluates and checkpoints, then resumes:
-every eval row of an uninterrupted run is there, and metrics.jsonl never holds two rows
-for one step (the rows a TensorBoard or pandas reader sees, not only read_jsonl's merge).
+"""Kills at every point around the steps that evaluate and checkpoint, one after another
+in one chain of reruns: every eval row of an uninterrupted run is there at the end, the
+losses are the uninterrupted run's bit for bit, and metrics.jsonl never holds two rows
+for one step (the rows a TensorBoard or pandas reader sees, not only read_jsonl's
+merge), after each kill as at the end.
 
 The kill is a SIGKILL from inside the process at a named point of the step runner
-(T5X_LIKE_FAILPOINT, train/runner.py), so every window is hit on every run.
+(T5X_LIKE_FAILPOINT, train/failpoints.py), so every window is hit on every run. The
+chain is the trainer's one kill/resume test (the fine-tuning runner has its own in
+tests/test_finetune_cli.py; the Pallas kernel's dropout in tests/test_train.py).
 """
-
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from t5x_like.train.runner import FAILPOINT_ENV
+from helpers import jsonl_rows, run_child, train_command, child_env
+from t5x_like.train.failpoints import FAILPOINT_ENV
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ("--config.train.num_steps=12", "--config.train.log_every=1",
         "--config.train.checkpoint_every=4", "--config.train.eval_every=8",
         "--config.train.async_checkpoints=False")
+# Before a row, after it (not yet saved), after the save; at a step that checkpoints
+# only (4), one that also evaluates (8), and the last (12: the rerun finds it finished).
+CHAIN = ("before_row@2", "after_row@4", "after_save@4", "before_row@8", "after_row@8",
+         "after_save@8", "after_row@12", "after_save@12")
 
 
 def _train(workdir, failpoint=None):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = child_env()
   env.pop(FAILPOINT_ENV, None)
   if failpoint:
     env[FAILPOINT_ENV] = failpoint
-  return subprocess.run([sys.executable, "-m", "t5x_like.cli", "train",
-                         f"--config={ROOT}/configs/gpt_cpu.py:smoke", f"--workdir={workdir}",
-                         *ARGS], env=env, capture_output=True, text=True, timeout=600)
+  return run_child(train_command("gpt_cpu.py:smoke", workdir, *ARGS), env=env)
 
 
-def _raw_rows(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
-
-
-@pytest.fixture(scope="module")
-def whole(tmp_path_factory):
-  workdir = str(tmp_path_factory.mktemp("whole") / "run")
-  assert _train(workdir).returncode == 0
-  return _raw_rows(workdir)
-
-
-@pytest.mark.parametrize("kills", [
-    ["before_row@8"], ["after_row@8"], ["after_save@8"],  # the eval + checkpoint step
-    ["after_row@4", "after_row@8"], ["before_row@2", "after_save@4", "after_row@12"],
-    ["after_save@12"],  # the end: the rerun finds the run finished
-])
-def test_kills_around_eval_and_checkpoint_lose_no_row_and_write_none_twice(kills, whole,
-                                                                           tmp_path):
+@pytest.mark.slow
+def test_a_chain_of_kills_around_eval_and_checkpoint_loses_no_row_and_writes_none_twice(
+    tmp_path):
+  whole_dir = str(tmp_path / "whole")
+  assert _train(whole_dir).returncode == 0
+  whole = jsonl_rows(whole_dir)
   workdir = str(tmp_path / "run")
-  for kill in kills:
+  for kill in CHAIN:
     result = _train(workdir, kill)
     assert result.returncode == -9, (kill, result.returncode, result.stderr[-2000:])
-    steps = [r["step"] for r in _raw_rows(workdir)]
+    steps = [r["step"] for r in jsonl_rows(workdir)]
     assert len(steps) == len(set(steps)), (kill, steps)
   result = _train(workdir)
   assert result.returncode == 0, result.stderr[-2000:]
   assert "final eval: eval_" in result.stdout, result.stdout
-  rows = _raw_rows(workdir)
+  rows = jsonl_rows(workdir)
   steps = [r["step"] for r in rows]
   assert len(steps) == len(set(steps)), steps
   assert [sorted(r) for r in rows] == [sorted(r) for r in whole]  # every row, every key

@@ -164,6 +164,7 @@ def cpu_plans():
   return {remat: make_plan(_local_config(remat), topology) for remat in ("none", "full")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_memory_estimate_within_2x_of_xla_on_cpu(cpu_plans, remat):
   plan = cpu_plans[remat]

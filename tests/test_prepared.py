@@ -21,8 +21,8 @@ from t5x_like.data.sources import JsonlFiles
 from t5x_like.data.store import split_held_out
 from t5x_like.data.tokenize import build_store
 from t5x_like.data.vocab import default_vocab
+from helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
 T5 = f"{CONFIGS}/t5_cpu.py:smoke"
 BERT = f"{CONFIGS}/bert_cpu.py:smoke"
@@ -107,7 +107,7 @@ def _metrics(workdir):
   return [{k: v for k, v in r.items() if "loss" in k or "accuracy" in k} for r in rows]
 
 
-@pytest.mark.parametrize("config", [T5, BERT])
+@pytest.mark.parametrize("config", [pytest.param(T5, marks=pytest.mark.slow), BERT])
 def test_a_run_on_a_prepared_corpus_equals_the_in_memory_run(config, tmp_path, jsonl):
   source = f"--config.data.source={jsonl}" if config == T5 else "--config.data.source=embedded"
   assert _prepare(config, tmp_path / "prepared", source, "--num_workers=1") == 0
@@ -251,6 +251,7 @@ def test_prepare_refuses_a_non_empty_folder_unless_asked(tmp_path, capsys):
   assert not (out / "keep.txt").exists() and (out / "manifest.json").exists()
 
 
+@pytest.mark.slow
 def test_prepare_and_train_on_gcs(gcs, prepared_t5, tmp_path):
   """prepare --out gs://... and a run reading prepared:gs://... (a local fake GCS)."""
   url = "gs://bucket/prepared/t5"

@@ -25,8 +25,8 @@ from t5x_like.train.metrics import read_jsonl
 from t5x_like.train.run_context import open_run
 from t5x_like.train.runner import Every
 from t5x_like.workdir_lock import LOCK_NAME, WorkdirLock, WorkdirLockedError
+from helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 

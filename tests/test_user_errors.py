@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from t5x_like import cli
+from helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BERT = os.path.join(ROOT, "configs", "bert_cpu.py")
 T5 = os.path.join(ROOT, "configs", "t5_cpu.py")
 GPT = os.path.join(ROOT, "configs", "gpt_cpu.py")

@@ -21,7 +21,8 @@ from t5x_like.train import metrics as metrics_lib
 from t5x_like.train.metrics import MetricWriter, read_jsonl
 from t5x_like.workdir_lock import LOCK_NAME, WorkdirLock, WorkdirLockedError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
+
 
 # A contender: acquires (once the go file appears, if given: it says "ready" first),
 # prints the outcome as one JSON line, then holds until stdin closes (hold=1), releases.
