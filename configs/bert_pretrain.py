@@ -42,8 +42,9 @@ def get_config(arg: str = "base"):
   # CPU (`t5x-like bench model`), the scanned step is faster with it than without remat.
   c.model.remat_policy = "dots"
 
-  # Training reads the corpus prepared once by `t5x-like data prepare` (README, "Data at
-  # scale"); `:SIZE,raw` names the raw source, which is what `data prepare` reads.
+  # Training reads the corpus prepared once by `t5x-like data prepare`
+  # (docs/prepared-corpora.md); `:SIZE,raw` names the raw source, which is what
+  # `data prepare` reads.
   c.data.source = "tfds:wikipedia/20230601.en:train#text" if a.raw else f"prepared:{a.corpus}"
   c.data.objective = "bert_mlm"
   c.data.length = 128

@@ -15,13 +15,13 @@ author's name as text to text, evaluated by generating it); `,smoke` for tests (
 the task's own pretrain/ (t5x_like/finetune/books_ood.py); `dir=PATH`: where the
 `t5x-like task` command wrote (default workdir/books, workdir/books_unseen,
 workdir/books_within).
-The recipe (BERT) is the one the README's experiments chose: mean pooling without the
-pooler (a [CLS] that starts at random learns slowly and flatters pretraining; mean
+The recipe (BERT) is the one the experiments of docs/book-task.md chose: mean pooling
+without the pooler (a [CLS] that starts at random learns slowly and flatters pretraining; mean
 pooling is as good for the pretrained model and far better from random
 initialisation), AdamW at 1e-3 (best or level with the best of 3e-3 / 1e-3 / 3e-4, both
 inits, in and out of domain), 30 warmup steps, 300 steps of 32 (900 gain nothing).
-Measured (README, mean of 3 seeds): pretrained 6,000 steps, then 0.674 dev accuracy
-against 0.617 from random initialisation (each at its best learning rate: 0.675 / 0.624).
+Measured (docs/book-task.md, mean of 3 seeds): pretrained 6,000 steps, then 0.674 dev
+accuracy against 0.617 from random initialisation (each at its best learning rate: 0.675 / 0.624).
 """
 
 import os
@@ -54,7 +54,7 @@ def get_config(arg: str = "bert"):
   c.task.max_length = 64  # 32-word passages; bert_cpu has 64 positions
   c.task.target_length = 8  # a label (surname, narrator) + eos (up to 5 pieces in the t5 vocab)
   c.task.task_prefix = "book"
-  c.task.pooling = "mean"  # BERT: the mean of the passage's states (README, the book task)
+  c.task.pooling = "mean"  # BERT: the mean of the passage's states (docs/book-task.md)
   c.task.pooler = False
   c.train.batch_size = 32
   c.train.num_steps = 300  # ~13 epochs of the 720 training passages

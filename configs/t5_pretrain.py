@@ -36,8 +36,9 @@ def get_config(arg: str = "base"):
   # (CPU, base, batch 4), 5% faster than no remat with 30% less memory. large: 'full'.
   c.model.remat_policy = "full" if a.size == "large" else "dots"
 
-  # Training reads the corpus prepared once by `t5x-like data prepare` (README, "Data at
-  # scale"); `:SIZE,raw` names the raw source, which is what `data prepare` reads.
+  # Training reads the corpus prepared once by `t5x-like data prepare`
+  # (docs/prepared-corpora.md); `:SIZE,raw` names the raw source, which is what
+  # `data prepare` reads.
   c.data.source = "tfds:c4/en:train#text" if a.raw else f"prepared:{a.corpus}"
   c.data.objective = "span_corruption"
   c.data.length = 512  # targets 114

@@ -42,7 +42,7 @@ not [B, N, T, S] probabilities. Dims sharded over 'tensor' (heads, mlp, vocab) d
 their activations by its size.
 Calibrated against XLA's memory analysis on CPU meshes (tests/test_plan.py): within
 ~25% for BERT, GPT-2 and T5 shapes, remat none / full / dots, AdamW and Adafactor; and
-against libtpu's for the shipped recipes on their TPU slices (README "The recipes on
+against libtpu's for the shipped recipes on their TPU slices (docs/tpu.md, "The recipes on
 TPU, compiled here"): within 20% (0.84-1.12).
 """
 

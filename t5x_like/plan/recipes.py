@@ -1,5 +1,6 @@
-"""The README table "The recipes on TPU, compiled here": every shipped pretraining recipe
-at its documented slice and one current slice, compiled for it on this host by libtpu.
+"""The table "The recipes on TPU, compiled here" (docs/tpu.md): every shipped
+pretraining recipe at its documented slice and one current slice, compiled for it on
+this host by libtpu.
 
   python -m t5x_like.plan.recipes [--only NAME ...] [--json OUT.jsonl] [--resume-from F
                                   [--continue-fits]]
