@@ -17,6 +17,7 @@ flags, so that ml-collections never meets a key it cannot set.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
 import sys
 import traceback
@@ -100,7 +101,6 @@ def load_config(spec: str) -> ml_collections.ConfigDict:
   if not path.endswith(".py"):
     raise FlagError(f"--config={spec}: {path!r} is not a Python file; a config is a .py"
                     " file defining get_config()")
-  from t5x_like.train.defaults import load_config_file
   try:
     config = load_config_file(spec)
   except Exception as e:  # noqa: BLE001  (the user's file: any error is theirs to see)
@@ -189,3 +189,15 @@ def print_error(prefix: str, error: BaseException, debug: bool) -> None:
   if debug:
     traceback.print_exception(error)
   print(f"{prefix}: {error}", file=sys.stderr, flush=True)
+
+
+def load_config_file(spec: str) -> ml_collections.ConfigDict:
+  """`get_config(arg)` of a config file named as on the command line: "path.py[:arg]"."""
+  path, _, arg = spec.partition(":")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"config file {path!r} (from {spec!r}) does not exist")
+  module_spec = importlib.util.spec_from_file_location(
+      f"_t5x_like_config_{os.path.basename(path)[:-3]}", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if arg else module.get_config()

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from t5x_like import cli
-from t5x_like.train.defaults import load_config_file
+from t5x_like.command_flags import load_config_file
 from t5x_like.experiment import build_model_from_config, config_vocab
 
 _TINY_BERT = ["--config", "configs/bert_cpu.py:smoke", "--config.train.batch_size=8",

@@ -16,7 +16,7 @@ from t5x_like.models.model import (MODEL_CLASSES, DecoderModel, EncoderDecoderMo
                                    EncoderModel)
 from t5x_like.train import flops
 from t5x_like.train.config_check import ConfigError
-from t5x_like.train.defaults import load_config_file
+from t5x_like.command_flags import load_config_file
 from helpers import ROOT
 
 PACKAGE = os.path.join(ROOT, "t5x_like")

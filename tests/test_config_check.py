@@ -49,7 +49,7 @@ def test_every_config_file_is_covered():
                                        for a in vs])
 def test_finetune_config_names_a_valid_pretraining_config(name, arg, monkeypatch):
   from t5x_like.finetune.defaults import default_finetune_config
-  from t5x_like.train.defaults import load_config_file
+  from t5x_like.command_flags import load_config_file
   config = load(name, arg)
   assert set(config.to_dict()) == set(default_finetune_config().to_dict())
   monkeypatch.chdir(ROOT)  # init.config is relative to the repository root

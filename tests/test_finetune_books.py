@@ -13,7 +13,7 @@ import pytest
 
 from t5x_like import cli, corpus
 from t5x_like.finetune import books_ood
-from t5x_like.train.defaults import load_config_file
+from t5x_like.command_flags import load_config_file
 from helpers import ROOT
 
 CONFIG = os.path.join(ROOT, "configs", "finetune_books.py")

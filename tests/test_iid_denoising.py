@@ -12,7 +12,7 @@ from t5x_like.data.store import TokenStore
 from references import stream_order
 from t5x_like.data.vocab import default_vocab
 from t5x_like.train.config_check import ConfigError, validate
-from t5x_like.train.defaults import load_config_file
+from t5x_like.command_flags import load_config_file
 
 V, EOS, LENGTH = 1000, 1, 64
 

@@ -203,7 +203,7 @@ TPU_COMPILED_TOTALS = {
 @pytest.mark.parametrize("recipe", sorted(TPU_COMPILED_TOTALS), ids=lambda r: f"{r[0]}-{r[2]}")
 def test_memory_estimate_within_20_percent_of_the_tpu_compiler(recipe):
   from t5x_like.plan.recipes import phase_config
-  from t5x_like.train.defaults import load_config_file
+  from t5x_like.command_flags import load_config_file
   size, phase, slice_name = recipe
   config = phase_config(load_config_file(f"{BERT_CONFIG}:{size}"), phase)
   plan = make_plan(config, parse_topology(slice_name, config.model.dtype),

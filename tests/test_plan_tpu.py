@@ -289,7 +289,7 @@ def test_fit_batch_stops_below_an_over_batch_by_the_compilers_numbers(monkeypatc
   from t5x_like.plan.report import make_plan
   from t5x_like.plan.text import format_plan
   from t5x_like.plan.topology import parse_topology
-  from t5x_like.train.defaults import load_config_file
+  from t5x_like.command_flags import load_config_file
   search, limits = fit.search, []
 
   def under_the_first(compile_rows, rows0, total0, memory_bytes, **kwargs):

@@ -70,7 +70,7 @@ def load_backbone(config) -> Backbone:
     model, params = hf.load(init.hf, **overrides)
     return Backbone(model.config, _hf_tokenizer(config, init.hf, model.hf_model_type),
                     params, f"Hugging Face checkpoint {init.hf}")
-  from t5x_like.train.defaults import load_config_file
+  from t5x_like.command_flags import load_config_file
   from t5x_like.experiment import build_model_from_config, config_vocab
   try:
     pretrain = load_config_file(init.config)

@@ -27,7 +27,7 @@ from t5x_like.models.config import ModelConfig
 from t5x_like.train.config_check import (ConfigError, check_fields, check_finite, check_mesh,
                                          check_model, check_optimizer, check_schema,
                                          check_seed, positive)
-from t5x_like.train.defaults import load_config_file
+from t5x_like.command_flags import load_config_file
 
 # Sections whose contents are free-form (checked separately below).
 _OPEN = {"init.model_overrides", "mesh.rules"}

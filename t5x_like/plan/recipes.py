@@ -182,7 +182,7 @@ def run_recipe(recipe: Recipe, fit: bool = True, fit_budget_s: float = 20 * 60,
   from t5x_like.plan.fit import over_memory
   from t5x_like.plan.report import make_plan
   from t5x_like.plan.topology import parse_topology
-  from t5x_like.train.defaults import load_config_file
+  from t5x_like.command_flags import load_config_file
   start = time.monotonic()
   config = phase_config(load_config_file(recipe.config), recipe.phase)
   topology = parse_topology(recipe.slice, config.model.dtype)

@@ -126,17 +126,3 @@ def parse_arg(arg: str, **defaults) -> ml_collections.ConfigDict:
     else:
       out[key] = type(default)(value)
   return out
-
-
-def load_config_file(spec: str) -> ml_collections.ConfigDict:
-  """`get_config(arg)` of a config file named as on the command line: "path.py[:arg]"."""
-  import importlib.util
-  import os
-  path, _, arg = spec.partition(":")
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"config file {path!r} (from {spec!r}) does not exist")
-  module_spec = importlib.util.spec_from_file_location(
-      f"_t5x_like_config_{os.path.basename(path)[:-3]}", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(arg) if arg else module.get_config()
