@@ -21,6 +21,7 @@ import importlib.util
 import os
 import sys
 import traceback
+import types
 from typing import Callable, Optional, Sequence
 
 import ml_collections
@@ -119,6 +120,24 @@ def _innermost_frame_in(error: Exception, path: str) -> str:
     if os.path.abspath(frame.filename) == os.path.abspath(path):
       lineno = frame.lineno
   return f" ({path}:{lineno})" if lineno else ""
+
+
+def lock_flags(argv: Sequence[str]) -> Optional[types.SimpleNamespace]:
+  """The flags the workdir lock needs (workdir, distributed, num_processes, process_id),
+  read from the raw command line before the config file is loaded (a config may import
+  jax through the libraries it names). None for a help request, no --workdir, or a
+  value the full parse will refuse."""
+  argv = list(argv)
+  workdir = _flag_value(argv, "workdir")
+  if not workdir or any(a in HELP_FLAGS for a in argv):
+    return None
+  try:
+    return types.SimpleNamespace(
+        workdir=workdir, distributed=_flag_value(argv, "distributed") or "flags",
+        num_processes=int(_flag_value(argv, "num_processes") or 1),
+        process_id=int(_flag_value(argv, "process_id") or 0))
+  except ValueError:
+    return None
 
 
 def _flag_value(argv: list[str], name: str) -> Optional[str]:

@@ -345,16 +345,17 @@ class WorkdirLock:
 
 @contextlib.contextmanager
 def command_lock(fv) -> Iterator[Optional[WorkdirLock]]:
-  """The workdir lock of a `train` / `finetune` command, taken from its parsed flags
-  (fv.workdir and distributed.py's flags) before jax is imported: a second trainer on
-  the workdir is refused in a fraction of a second, not after the start-up. Pass it to
-  the loop (open_run uses it and does not take another).
+  """The workdir lock of a `train` / `finetune` command, taken from its flags
+  (command_flags.lock_flags: fv.workdir and distributed.py's flags, read before the
+  config file is loaded) before jax is imported: a second trainer on the workdir is
+  refused in a fraction of a second, not after the start-up. Pass it to the loop
+  (open_run uses it and does not take another). fv None: no lock here.
 
   Process 0 holds it; the others of a multi-host run get a disabled one. With
   --distributed=auto no process knows its index before jax starts: None, and the loop
   takes it.
   """
-  if fv.distributed == "auto":
+  if fv is None or fv.distributed == "auto":
     yield None
     return
   with WorkdirLock(fv.workdir, enabled=fv.num_processes <= 1 or fv.process_id == 0) as lock:

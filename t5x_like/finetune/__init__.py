@@ -14,16 +14,23 @@ the FinetuneModel (model contract: the train step trains it), metrics.
   loop       `finetune(config, workdir)` on the shared step runner (train/runner.py)
 """
 
-from t5x_like.finetune.data import DataError, Dataset, read_examples
-from t5x_like.finetune.encoding import encode_examples, label_targets
-from t5x_like.finetune.model import FinetuneModel
-from t5x_like.finetune.task import Example, Task
-from t5x_like.finetune.tasks import TASKS, make_task
-from t5x_like.finetune.tokenizer import SentencePieceTokenizer, Tokenizer, as_tokenizer
-from t5x_like.finetune.wordpiece import WordPieceTokenizer
+import importlib
 
-__all__ = [
-    "DataError", "Dataset", "Example", "read_examples", "encode_examples", "label_targets",
-    "FinetuneModel", "Task", "TASKS", "make_task", "SentencePieceTokenizer", "Tokenizer",
-    "as_tokenizer", "WordPieceTokenizer",
-]
+# The names below load their module on first use (PEP 562), so that importing a
+# submodule (the finetune command's flags, the workdir lock taken before jax) does not
+# import jax through the model.
+_EXPORTS = {
+    "DataError": "data", "Dataset": "data", "read_examples": "data",
+    "encode_examples": "encoding", "label_targets": "encoding",
+    "FinetuneModel": "model", "Example": "task", "Task": "task",
+    "TASKS": "tasks", "make_task": "tasks",
+    "SentencePieceTokenizer": "tokenizer", "Tokenizer": "tokenizer",
+    "as_tokenizer": "tokenizer", "WordPieceTokenizer": "wordpiece",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+  if name not in _EXPORTS:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -16,7 +16,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from t5x_like.command_flags import parse_flags
+from t5x_like.command_flags import lock_flags, parse_flags
 from t5x_like.distributed import define_distributed_flags, initialize_distributed
 from t5x_like.train.preemption import exit_at_once_on_interrupt
 from t5x_like.workdir_lock import command_lock
@@ -33,9 +33,10 @@ def _flags(argv: list[str]) -> flags.FlagValues:
 
 
 def main(argv: list[str]) -> int:
-  fv = parse_flags("finetune", argv, _flags, required=("config", "workdir"), doc=__doc__)
-  # The lock before jax starts: a second fine-tuning is refused at once.
-  with exit_at_once_on_interrupt("finetune"), command_lock(fv) as lock:
+  # The lock before the config file is loaded (it may import jax through the libraries
+  # it names) and before jax starts: a second finetune on the workdir is refused at once.
+  with exit_at_once_on_interrupt("finetune"), command_lock(lock_flags(argv)) as lock:
+    fv = parse_flags("finetune", argv, _flags, required=("config", "workdir"), doc=__doc__)
     return _finetune(fv, lock)
 
 

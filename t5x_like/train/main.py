@@ -13,7 +13,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from t5x_like.command_flags import parse_flags
+from t5x_like.command_flags import lock_flags, parse_flags
 from t5x_like.distributed import define_distributed_flags, initialize_distributed
 from t5x_like.train.preemption import exit_at_once_on_interrupt
 from t5x_like.workdir_lock import command_lock
@@ -31,9 +31,10 @@ def _flags(argv: list[str]) -> flags.FlagValues:
 
 
 def main(argv: list[str]) -> int:
-  fv = parse_flags("train", argv, _flags, required=("config", "workdir"), doc=__doc__)
-  # The lock before jax is imported: a second trainer is refused at once.
-  with exit_at_once_on_interrupt("train"), command_lock(fv) as lock:
+  # The lock before the config file is loaded (it may import jax through the libraries
+  # it names) and before jax starts: a second train on the workdir is refused at once.
+  with exit_at_once_on_interrupt("train"), command_lock(lock_flags(argv)) as lock:
+    fv = parse_flags("train", argv, _flags, required=("config", "workdir"), doc=__doc__)
     return _train(fv, lock)
 
 
