@@ -1,7 +1,7 @@
 """The package's shape, read from its source: the import graph (every import, deferred
 ones inside functions included) has no cycle, only the train command imports the
-trainer, the lower layers (models/, data/, parallel/, experiment, command_flags, fs,
-errors) import nothing above them, and no module grows past ~400 lines."""
+trainer, the lower layers (models/, data/, parallel/, checkpoint/, experiment,
+command_flags, fs, errors) import nothing above them, and no module grows past ~400 lines."""
 
 import ast
 import os
@@ -107,6 +107,8 @@ def test_only_the_train_command_imports_the_trainer():
     ("t5x_like.experiment", ("t5x_like.data", "t5x_like.models", "t5x_like.parallel",
                              "t5x_like.errors")),
     ("t5x_like.parallel", ("t5x_like.parallel", "t5x_like.errors")),
+    ("t5x_like.checkpoint", ("t5x_like.checkpoint", "t5x_like.errors", "t5x_like.fs",
+                             "t5x_like.failpoints")),
     ("t5x_like.command_flags", ("t5x_like.errors",)),
     ("t5x_like.fs", ("t5x_like.errors",)),
     ("t5x_like.errors", ()),

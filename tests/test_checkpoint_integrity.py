@@ -19,14 +19,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from t5x_like import parallel
 from t5x_like.errors import UserError
-from t5x_like.train import checkpoints
-from t5x_like.train.checkpoints import (CheckpointDirectoryError, Checkpointer,
-                                        CheckpointSpaceError, CorruptCheckpointError)
+from t5x_like.checkpoint import checkpointer as checkpoints
+from t5x_like.checkpoint import (CheckpointDirectoryError, Checkpointer,
+                                 CheckpointSpaceError, CorruptCheckpointError)
 from t5x_like.train.pretrained import find_checkpoint, restore_params
 
 # A failed tensorstore read leaves orbax coroutines unawaited; they warn when collected.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-LOGGER = "t5x_like.train.checkpoints"
+LOGGER = "t5x_like.checkpoint"
 
 
 @pytest.fixture(autouse=True)

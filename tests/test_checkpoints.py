@@ -18,8 +18,8 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from t5x_like import parallel
-from t5x_like.train.checkpoints import (Checkpointer, CorruptCheckpointError,
-                                        IncompatibleCheckpointError)
+from t5x_like.checkpoint import (Checkpointer, CorruptCheckpointError,
+                                 IncompatibleCheckpointError)
 
 # A failed tensorstore read leaves orbax coroutines unawaited; they warn when collected,
 # so collect them inside each test, where this filter applies.
@@ -188,7 +188,7 @@ def test_corrupt_latest_falls_back_to_previous(tmp_path, mesh42, caplog, corrupt
       ckpt.save(step, make_state(step, mesh42), {"step": step})
   corrupt(tmp_path / "3")
   ckpt = Checkpointer(tmp_path, async_save=False)
-  with caplog.at_level(logging.WARNING, logger="t5x_like.train.checkpoints"):
+  with caplog.at_level(logging.WARNING, logger="t5x_like.checkpoint"):
     step, state, extra = ckpt.restore_latest(abstract_for(mesh42))
   assert step == 2 and extra == {"step": 2}
   assert_state_equal(state, make_state(2, mesh42), mesh42)
@@ -274,7 +274,7 @@ jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid)
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 from t5x_like import parallel
-from t5x_like.train.checkpoints import Checkpointer
+from t5x_like.checkpoint import Checkpointer
 mesh = parallel.make_mesh({"data": 4, "model": 2})
 sharding = NamedSharding(mesh, P("data", "model"))
 def state(step):

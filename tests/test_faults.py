@@ -7,7 +7,7 @@
   with one line and exit 130, no traceback (preemption.exit_at_once_on_interrupt), and
   the rerun resumes from the last complete checkpoint.
 
-The Ctrl-C lands deterministically through the test failpoints (train/failpoints.py):
+The Ctrl-C lands deterministically through the test failpoints (t5x_like/failpoints.py):
 sigint@6 is a Ctrl-C after step 6, slow_save@6 stalls the save it asks for.
 """
 
@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from t5x_like.train.failpoints import FAILPOINT_ENV
+from t5x_like.failpoints import FAILPOINT_ENV
 from t5x_like.workdir_lock import LOCK_NAME, WorkdirLock
 
 from helpers import ROOT

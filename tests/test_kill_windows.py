@@ -5,7 +5,7 @@ for one step (the rows a TensorBoard or pandas reader sees, not only read_jsonl'
 merge), after each kill as at the end.
 
 The kill is a SIGKILL from inside the process at a named point of the step runner
-(T5X_LIKE_FAILPOINT, train/failpoints.py), so every window is hit on every run. The
+(T5X_LIKE_FAILPOINT, t5x_like/failpoints.py), so every window is hit on every run. The
 chain is the trainer's one kill/resume test (the fine-tuning runner has its own in
 tests/test_finetune_cli.py; the Pallas kernel's dropout in tests/test_train.py).
 """
@@ -13,7 +13,7 @@ tests/test_finetune_cli.py; the Pallas kernel's dropout in tests/test_train.py).
 import pytest
 
 from helpers import jsonl_rows, run_child, train_command, child_env
-from t5x_like.train.failpoints import FAILPOINT_ENV
+from t5x_like.failpoints import FAILPOINT_ENV
 
 ARGS = ("--config.train.num_steps=12", "--config.train.log_every=1",
         "--config.train.checkpoint_every=4", "--config.train.eval_every=8",

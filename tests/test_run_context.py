@@ -20,7 +20,7 @@ from jax.sharding import SingleDeviceSharding
 
 from t5x_like import cli
 from t5x_like.errors import UserError
-from t5x_like.train.failpoints import FAILPOINT_ENV, SLOW_SAVE_SECONDS_ENV
+from t5x_like.failpoints import FAILPOINT_ENV, SLOW_SAVE_SECONDS_ENV
 from t5x_like.train.metrics import read_jsonl
 from t5x_like.train.run_context import open_run
 from t5x_like.train.runner import Every

@@ -43,7 +43,7 @@ from t5x_like import infer, parallel
 from t5x_like.command_flags import parse_flags
 from t5x_like.infer import requests
 from t5x_like.infer.sharding import hashable_rules
-from t5x_like.train.checkpoints import IncompatibleCheckpointError
+from t5x_like.checkpoint import IncompatibleCheckpointError
 from t5x_like.experiment import build_mesh, build_model_from_config, config_vocab
 from t5x_like.train.pretrained import load_pretrained
 

@@ -18,11 +18,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from t5x_like import fs, parallel
-from t5x_like.train import checkpoint_integrity as integrity
-from t5x_like.train.checkpoint_integrity import STATE
-from t5x_like.train.read_leftovers import quiet_read_leftovers
-from t5x_like.train.checkpoints import (CheckpointNotFoundError, IncompatibleCheckpointError,
-                                        saved_shapes, wanted_shapes)
+from t5x_like.checkpoint import integrity
+from t5x_like.checkpoint.integrity import STATE
+from t5x_like.checkpoint.read_leftovers import quiet_read_leftovers
+from t5x_like.checkpoint import (CheckpointNotFoundError, IncompatibleCheckpointError,
+                                 saved_shapes, wanted_shapes)
 from t5x_like.experiment import build_model_from_config, config_vocab, mesh_rules
 
 

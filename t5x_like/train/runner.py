@@ -26,14 +26,14 @@ import numpy as np
 from t5x_like.data.loader import make_loader
 from t5x_like.errors import NonFiniteLossError
 from t5x_like.parallel import shard_batch
-from t5x_like.train import failpoints
-from t5x_like.train.failpoints import FAILPOINT_ENV  # noqa: F401  (the tests' name for it)
+from t5x_like import failpoints
+from t5x_like.failpoints import FAILPOINT_ENV  # noqa: F401  (the tests' name for it)
 from t5x_like.train.prefetch import DevicePrefetcher
 from t5x_like.train.run_context import Run
 
 # Fault injection for the kill tests: T5X_LIKE_FAILPOINT="POINT@STEP" SIGKILLs this
 # process at POINT ("before_row", "after_row", "after_save") of step STEP; the others
-# are in train/failpoints.py.
+# are in t5x_like/failpoints.py.
 failpoint = failpoints.kill_at
 
 

@@ -5,7 +5,7 @@ Each step directory `<directory>/<step>/` holds two items:
   extra/  a small JSON dict written by process 0: the data iterator state, a config
           hash, ... It must be the same on every host (t5x_like's loader state is).
 and, once orbax has committed it, `checksums.process_<k>.json`: every file's sha256,
-each host hashing the files it wrote (see checkpoint_integrity). Restoring takes an
+each host hashing the files it wrote (see integrity.py). Restoring takes an
 abstract state whose leaves carry the target shardings, so a checkpoint saved on one mesh
 restores onto any other (or onto one device).
 
@@ -37,17 +37,15 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from t5x_like import fs
+from t5x_like import failpoints, fs
+from t5x_like.checkpoint import integrity, space
+from t5x_like.checkpoint.read_leftovers import quiet_read_leftovers
 from t5x_like.errors import UserError
-from t5x_like.train import checkpoint_integrity as integrity
-from t5x_like.train import checkpoint_space as space
-from t5x_like.train import failpoints
-from t5x_like.train.read_leftovers import quiet_read_leftovers
-from t5x_like.train.checkpoint_integrity import (  # noqa: F401  (the public names)
+from t5x_like.checkpoint.integrity import (  # noqa: F401  (the public names)
     COMMIT_MARKER, EXTRA, STATE, TMP_MARKER, CheckpointDirectoryError, CorruptCheckpointError,
     PartialCheckpointError)
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("t5x_like.checkpoint")  # one logger for checkpoint warnings
 
 CORRUPT_MARKER = ".corrupt-"
 _SEAL_TIMEOUT_MS = 1200 * 1000  # as orbax's own save barriers: a host hashing its share

@@ -35,7 +35,7 @@ from jax.experimental import multihost_utils
 
 from t5x_like.errors import UserError
 
-log = logging.getLogger("t5x_like.train.checkpoints")  # one logger for checkpoint warnings
+log = logging.getLogger("t5x_like.checkpoint")  # one logger for checkpoint warnings
 
 STATE, EXTRA = "state", "extra"
 COMMIT_MARKER = "commit_success.txt"  # orbax writes it last, just before the final rename
