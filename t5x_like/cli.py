@@ -97,13 +97,13 @@ def _cmd_task_books_ood(args) -> int:
 # The absl / ml-collections commands (any config key overridable on the command line):
 # name -> (module with main(argv), one-line summary). Their --help lists their flags.
 FLAG_COMMANDS = {
-    "train": ("t5x_like.train.main", "pretrain a config: --config FILE[:ARG] --workdir DIR"
+    "train": ("t5x_like.commands.train", "pretrain a config: --config FILE[:ARG] --workdir DIR"
               " [--config.KEY=VALUE ...]; reruns resume"),
-    "plan": ("t5x_like.plan.cli", "params, shardings, FLOPs, memory and time of a config on"
+    "plan": ("t5x_like.commands.plan", "params, shardings, FLOPs, memory and time of a config on"
              " a topology, without running it: --config FILE[:ARG] [--topology v3-32 ...]"),
-    "infer": ("t5x_like.infer.cli", "generate with, score by or fill masks with a trained"
+    "infer": ("t5x_like.commands.infer", "generate with, score by or fill masks with a trained"
               " model, JSONL in and out: --config FILE --checkpoint DIR --input FILE.jsonl"),
-    "finetune": ("t5x_like.finetune.main", "fine-tune a pretrained (or random) backbone on a"
+    "finetune": ("t5x_like.commands.finetune", "fine-tune a pretrained (or random) backbone on a"
                  " CSV / JSONL task: --config FILE[:ARG] --workdir DIR"),
 }
 BENCH_FLAG_COMMANDS = {
@@ -124,7 +124,7 @@ class _OneLineErrors(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
   from t5x_like.data.pipeline import OBJECTIVES
-  from t5x_like.data import vocab_cli
+  from t5x_like.commands import vocab as vocab_command
   parser = _OneLineErrors(
       prog="t5x-like", description=__doc__,
       epilog="`t5x-like COMMAND --help` shows a command's flags. --debug (anywhere) shows"
@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
   models = sub.add_parser("models", help=_cmd_models.__doc__)
   models.add_argument("names", nargs="*", help="presets to show (default: all)")
   models.set_defaults(fn=_cmd_models)
-  vocab_cli.add_parser(sub)
+  vocab_command.add_parser(sub)
   task = sub.add_parser("task", help="build fine-tuning tasks").add_subparsers(
       dest="which", required=True, metavar="TASK")
   books = task.add_parser("books", help=_cmd_task_books.__doc__)
@@ -278,14 +278,14 @@ def main(argv=None) -> int:
 
 def _dispatch(argv: list[str]) -> int:
   if argv[:2] == ["data", "prepare"]:
-    from t5x_like import prepare_cli
-    return prepare_cli.main(argv[2:])
+    from t5x_like.commands import prepare as prepare_command
+    return prepare_command.main(argv[2:])
   if argv[:1] and argv[0] in FLAG_COMMANDS:
     module = importlib.import_module(FLAG_COMMANDS[argv[0]][0])
     return module.main(argv[1:])
   if argv[:1] == ["bench"] and argv[1:2] and argv[1] in BENCH_FLAG_COMMANDS:
-    from t5x_like.bench import cli as bench_cli
-    return bench_cli.main(argv[1:])
+    from t5x_like.commands import bench as bench_command
+    return bench_command.main(argv[1:])
   try:
     args = build_parser().parse_args(argv)
   except SystemExit as e:  # argparse: --help (0) or a usage error (2, printed)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from t5x_like import cli
-from t5x_like.bench import cli as bench_cli
+from t5x_like.commands import bench as bench_cli
 from t5x_like.bench.torch_peer import (bert_inputs, build_peer_model, gpt2_inputs,
                                        peer_config, peer_for)
 from t5x_like.command_flags import parse_flags

@@ -1,5 +1,5 @@
 """Tokenize a source once, with Apache Beam, into a prepared corpus (data/prepared.py)
-that training reads in place; the pipeline of `t5x-like data prepare` (prepare_cli.py).
+that training reads in place; the pipeline of `t5x-like data prepare` (commands/prepare.py).
 
   manifest = run_prepare("text:books/*.txt", vocab, "DIR", held_out_fraction=0.02,
                          num_workers=4)

@@ -46,7 +46,6 @@ SPECIAL_PIECES = {
 }
 # Vocabulary families (layouts of special ids), not model families (models.config.FAMILIES).
 VOCAB_FAMILIES = tuple(SPECIAL_PIECES)
-FAMILIES = VOCAB_FAMILIES  # the old name, still imported by data/vocab_cli.py
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from t5x_like.data.vocab import FAMILIES
+from t5x_like.data.vocab import VOCAB_FAMILIES
 
 
 def add_parser(subparsers) -> None:
@@ -27,7 +27,7 @@ def add_parser(subparsers) -> None:
                           " tfds:NAME[/CONFIG][:SPLIT][@DATA_DIR][#FIELD]")
   train.add_argument("--vocab-size", required=True, type=_vocab_size,
                      help="ids in total (t5: including the 100 sentinels)")
-  train.add_argument("--family", required=True, choices=FAMILIES)
+  train.add_argument("--family", required=True, choices=VOCAB_FAMILIES)
   train.add_argument("--out", required=True, type=_out_dir, help="directory for spm.model")
   train.add_argument("--model-type", default="unigram", choices=("unigram", "bpe"))
   train.add_argument("--seed", type=int, default=0)
@@ -40,7 +40,7 @@ def add_parser(subparsers) -> None:
     p = sub.add_parser(name, help=fn.__doc__)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--vocab", help="a .model file or a directory with spm.model")
-    which.add_argument("--family", choices=FAMILIES, help="the shipped default vocabulary")
+    which.add_argument("--family", choices=VOCAB_FAMILIES, help="the shipped default vocabulary")
     if name == "encode":
       p.add_argument("text", nargs="+", help="texts to encode (one JSON line each)")
     else:
