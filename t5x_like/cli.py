@@ -1,19 +1,17 @@
 """The `t5x-like` command: one entry point for every subcommand.
 
-train, plan, infer, finetune and bench model/compile/peer/bert-vs-torch take absl flags with
-`--config FILE[:ARG]` and `--config.KEY=VALUE` overrides (t5x_like/command_flags.py);
-models, vocab, task and bench data take argparse options. All of them answer -h/--help
+Every command takes absl flags (t5x_like/command_flags.py); those with a config (train,
+plan, infer, finetune, data prepare, bench model/compile/peer/bert-vs-torch) take
+`--config FILE[:ARG]` and `--config.KEY=VALUE` overrides. All of them answer -h/--help
 with their flags and report a user error (t5x_like/errors.py) in one line with exit
 status 2; `--debug` anywhere shows its traceback.
 """
 
 from __future__ import annotations
 
-import argparse
 import glob
 import importlib
 import importlib.util
-import json
 import os
 import sys
 import traceback
@@ -28,75 +26,10 @@ from t5x_like.errors import USER_ERROR_EXIT, UserError
 _HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 
 
-def _cmd_models(args) -> int:
-  """Prints every preset with its parameter count (from shapes, nothing allocated)."""
-  from t5x_like.models import PRESETS, build_model, preset
-  names = args.names or sorted(PRESETS)
-  for name in names:
-    cfg = preset(name)
-    count = build_model(cfg).num_params()
-    print(json.dumps(dict(preset=name, family=cfg.family, layers=cfg.num_layers,
-                          d_model=cfg.d_model, heads=cfg.num_heads, params=count,
-                          params_millions=round(count / 1e6, 1))))
-  return 0
-
-
-def _cmd_bench_data(args) -> int:
-  """Tokens/s per core of an objective (plus packing) and of tokenization, as JSON;
-  with --prepared, prepared corpora at --sizes (prepare, start-up, memory, tokens/s)."""
-  if args.prepared:
-    from t5x_like.bench.prepared import bench_prepared
-    print(json.dumps(bench_prepared(sizes_mb=args.sizes, objective=args.objective,
-                                    workers=args.workers, scratch=args.scratch), indent=1))
-    return 0
-  from t5x_like.bench.data import bench_objective
-  print(json.dumps(bench_objective(args.objective, length=args.length,
-                                   batch_size=args.batch, steps=args.steps,
-                                   repeats=args.repeats), indent=1))
-  return 0
-
-
-def _cmd_bench_attention(args) -> int:
-  """Every attention kernel of this device against a float32 reference (values and
-  gradients, five masks, a bias; dropout statistics) and its time, as JSON."""
-  from t5x_like.bench.attention import bench_attention
-  try:
-    result = bench_attention(batch=args.batch, length=args.length, heads=args.heads,
-                             kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype,
-                             steps=args.steps, interpret_pallas=args.interpret_pallas)
-  except ValueError as e:
-    raise UserError(str(e)) from None
-  print(json.dumps(result, indent=1))
-  return 0
-
-
-def _cmd_task_books(args) -> int:
-  """Writes the book task (which book a passage is from) and the pretraining text without
-  its held-out passages (t5x_like/finetune/books.py); prints the counts as JSON."""
-  from t5x_like.finetune.books import make_book_task
-  summary = make_book_task(args.out, num_blocks=args.num_blocks,
-                           block_words=args.block_words, passage_words=args.passage_words)
-  print(json.dumps(summary, indent=1))
-  return 0
-
-
-def _cmd_task_books_ood(args) -> int:
-  """Writes an out-of-domain book task (t5x_like/finetune/books_ood.py): pretrain/ holds
-  the books not in the task; prints the counts as JSON."""
-  from t5x_like.finetune import books_ood
-  make = {"books-unseen": books_ood.make_unseen_task,
-          "books-within": books_ood.make_within_task}[args.which]
-  try:
-    summary = make(args.out, num_regions=args.num_regions, passage_words=args.passage_words)
-  except ValueError as e:
-    raise UserError(str(e)) from None
-  print(json.dumps(summary, indent=1))
-  return 0
-
-
-# The absl / ml-collections commands (any config key overridable on the command line):
-# name -> (module with main(argv), one-line summary). Their --help lists their flags.
-FLAG_COMMANDS = {
+# Every command takes absl flags (ml-collections config flags where it has a config),
+# parsed by command_flags.parse_flags: name -> (module with main(argv), one-line summary).
+# `t5x-like COMMAND --help` lists a command's flags (or its subcommands).
+COMMANDS = {
     "train": ("t5x_like.commands.train", "pretrain a config: --config FILE[:ARG] --workdir DIR"
               " [--config.KEY=VALUE ...]; reruns resume"),
     "plan": ("t5x_like.commands.plan", "params, shardings, FLOPs, memory and time of a config on"
@@ -105,97 +38,29 @@ FLAG_COMMANDS = {
               " model, JSONL in and out: --config FILE --checkpoint DIR --input FILE.jsonl"),
     "finetune": ("t5x_like.commands.finetune", "fine-tune a pretrained (or random) backbone on a"
                  " CSV / JSONL task: --config FILE[:ARG] --workdir DIR"),
+    "models": ("t5x_like.commands.models", "print every preset with its parameter count (from"
+               " shapes, nothing allocated): [NAME ...]"),
+    "vocab": ("t5x_like.commands.vocab", "train, inspect and use sentencepiece vocabularies:"
+              " train | encode | decode"),
+    "task": ("t5x_like.commands.task", "build fine-tuning tasks: books | books-unseen |"
+             " books-within --out DIR"),
+    "data": ("t5x_like.commands.prepare", "prepare corpora: prepare --config FILE[:ARG] --out"
+             " DIR [--runner ...] tokenizes a config's source once with Apache Beam"),
+    "bench": ("t5x_like.commands.bench", "benchmarks: data, model, attention, compile, peer,"
+              " bert-vs-torch"),
 }
-BENCH_FLAG_COMMANDS = {
-    "model": "compile and time the train step (and a decode step) of a config",
-    "compile": "compile time of the train step at several depths (--layers 6,12,24)",
-    "peer": "our train step against transformers' PyTorch model (BERT, GPT-2), eager and"
-            " compiled",
-    "bert-vs-torch": "our BERT step against transformers' BertForPreTraining",
-}
+DATA_STEPS = {"prepare": "tokenize a config's source once with Apache Beam into a prepared"
+                         " corpus: --config FILE[:ARG] --out DIR [--runner ...]"}
 
 
-class _OneLineErrors(argparse.ArgumentParser):
-  """Usage errors in one line (not the usage block), exit status 2; subparsers inherit."""
-
-  def error(self, message: str):
-    self.exit(USER_ERROR_EXIT, f"{self.prog}: error: {message} (--help lists the options)\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-  from t5x_like.data.pipeline import OBJECTIVES
-  from t5x_like.commands import vocab as vocab_command
-  parser = _OneLineErrors(
-      prog="t5x-like", description=__doc__,
-      epilog="`t5x-like COMMAND --help` shows a command's flags. --debug (anywhere) shows"
-             " the traceback of an error.")
-  sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-  for name, (_, summary) in FLAG_COMMANDS.items():
-    sub.add_parser(name, help=summary, add_help=False)
-  models = sub.add_parser("models", help=_cmd_models.__doc__)
-  models.add_argument("names", nargs="*", help="presets to show (default: all)")
-  models.set_defaults(fn=_cmd_models)
-  vocab_command.add_parser(sub)
-  task = sub.add_parser("task", help="build fine-tuning tasks").add_subparsers(
-      dest="which", required=True, metavar="TASK")
-  books = task.add_parser("books", help=_cmd_task_books.__doc__)
-  books.add_argument("--out", required=True, help="directory to write")
-  books.add_argument("--num_blocks", type=int, default=12,
-                     help="blocks held out of pretraining per book (even: train, odd: dev)")
-  books.add_argument("--block_words", type=int, default=500)
-  books.add_argument("--passage_words", type=int, default=32)
-  books.set_defaults(fn=_cmd_task_books)
-  for name, what in (("books-unseen", "3-way attribution among Carroll, Shelley and Wells"),
-                     ("books-within", "who narrates a Frankenstein passage, Victor or the"
-                      " creature")):
-    ood = task.add_parser(name, help=f"{what}; pretrain/ holds the other five books,"
-                          " none of the task's (t5x_like/finetune/books_ood.py)")
-    ood.add_argument("--out", required=True, help="directory to write")
-    ood.add_argument("--num_regions", type=int, default=12,
-                     help="regions per class (even: train, odd: dev)")
-    ood.add_argument("--passage_words", type=int, default=32)
-    ood.set_defaults(fn=_cmd_task_books_ood)
-  data_cmd = sub.add_parser("data", help="prepare corpora").add_subparsers(
-      dest="which", required=True, metavar="STEP")
-  data_cmd.add_parser("prepare", add_help=False,
-                      help="tokenize a config's source once with Apache Beam into a prepared"
-                      " corpus: --config FILE[:ARG] --out DIR [--runner ...]")
-  bench = sub.add_parser("bench", help="benchmarks: data, model, attention, compile, peer,"
-                         " bert-vs-torch"
-                         ).add_subparsers(dest="what", required=True, metavar="BENCHMARK")
-  data = bench.add_parser("data", help=_cmd_bench_data.__doc__)
-  data.add_argument("--objective", required=True, choices=sorted(OBJECTIVES))
-  data.add_argument("--length", type=int, default=None,
-                    help="sequence length (default: the objective's usual one)")
-  data.add_argument("--batch", type=int, default=64)
-  data.add_argument("--steps", type=int, default=30, help="batches per timed run")
-  data.add_argument("--repeats", type=int, default=5, help="timed runs (median reported)")
-  numbers = lambda kind: lambda text: [kind(x) for x in text.split(",")]
-  data.add_argument("--prepared", action="store_true",
-                    help="bench prepared corpora (bench/prepared.py) instead")
-  data.add_argument("--sizes", type=numbers(float), default=[50, 2000],
-                    help="--prepared: synthetic corpus sizes in MB (default 50,2000)")
-  data.add_argument("--workers", type=numbers(int), default=[1, 2],
-                    help="--prepared: Beam worker counts to prepare with (default 1,2)")
-  data.add_argument("--scratch", default=None,
-                    help="--prepared: folder for the scratch corpora (default: the temp dir)")
-  data.set_defaults(fn=_cmd_bench_data)
-  attention = bench.add_parser("attention", help=_cmd_bench_attention.__doc__)
-  attention.add_argument("--batch", type=int, default=4)
-  attention.add_argument("--length", type=int, default=512)
-  attention.add_argument("--heads", type=int, default=16)
-  attention.add_argument("--kv_heads", type=int, default=0, help="default: --heads (MHA)")
-  attention.add_argument("--head_dim", type=int, default=64)
-  attention.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16",
-                                                                 "float32"))
-  attention.add_argument("--steps", type=int, default=10, help="timed calls (median)")
-  attention.add_argument("--interpret_pallas", action="store_true",
-                         help="also run the Pallas TPU kernel in interpret mode (slow)")
-  attention.set_defaults(fn=_cmd_bench_attention)
-  for name, summary in BENCH_FLAG_COMMANDS.items():
-    bench.add_parser(name, help=summary + ": --config FILE[:ARG] [--config.KEY=VALUE ...]",
-                     add_help=False)
-  return parser
+def usage() -> str:
+  """The top-level help: this module's docstring and one line per command."""
+  width = max(len(name) for name in COMMANDS)
+  lines = ["usage: t5x-like COMMAND [flags]", "", __doc__.strip(), "", "commands:"]
+  lines += [f"    {name.ljust(width)}  {summary}" for name, (_, summary) in COMMANDS.items()]
+  lines += ["", "`t5x-like COMMAND --help` shows a command's flags. --debug (anywhere) shows"
+            " the traceback of an error."]
+  return "\n".join(lines)
 
 
 def _reexec_with_huge_pages() -> None:
@@ -277,20 +142,21 @@ def main(argv=None) -> int:
 
 
 def _dispatch(argv: list[str]) -> int:
-  if argv[:2] == ["data", "prepare"]:
-    from t5x_like.commands import prepare as prepare_command
-    return prepare_command.main(argv[2:])
-  if argv[:1] and argv[0] in FLAG_COMMANDS:
-    module = importlib.import_module(FLAG_COMMANDS[argv[0]][0])
-    return module.main(argv[1:])
-  if argv[:1] == ["bench"] and argv[1:2] and argv[1] in BENCH_FLAG_COMMANDS:
-    from t5x_like.commands import bench as bench_command
-    return bench_command.main(argv[1:])
-  try:
-    args = build_parser().parse_args(argv)
-  except SystemExit as e:  # argparse: --help (0) or a usage error (2, printed)
-    return int(e.code or 0)
-  return args.fn(args)
+  if not argv or argv[0] in command_flags.HELP_FLAGS:
+    if not argv:
+      raise command_flags.FlagError("a command is required: one of " + ", ".join(COMMANDS)
+                                    + " (t5x-like --help lists them)")
+    print(usage())
+    return 0
+  if argv[0] not in COMMANDS:
+    raise command_flags.FlagError(f"invalid choice: {argv[0]!r} (choose from"
+                                  f" {', '.join(COMMANDS)}; t5x-like --help lists them)")
+  if argv[0] == "data":
+    step, rest = command_flags.choose_subcommand("data", argv[1:], DATA_STEPS)
+    del step  # prepare, the only step
+    argv = ["data", *rest]
+  module = importlib.import_module(COMMANDS[argv[0]][0])
+  return module.main(argv[1:])
 
 
 if __name__ == "__main__":

@@ -44,16 +44,32 @@ def parse_flags(command: str, argv: Sequence[str],
                 make_flags: Callable[[list[str]], flags.FlagValues],
                 required: Sequence[str] = ("config",),
                 doc: Optional[str] = None) -> flags.FlagValues:
-  """The parsed flags of `t5x-like <command> argv...`.
+  """The parsed flags of `t5x-like <command> argv...` (no positional arguments).
 
   Raises HelpShown after printing `doc` and the flags for a help flag, FlagError for
   a bad command line.
   """
+  fv, _ = parse_flags_and_args(command, argv, make_flags, required=required, doc=doc,
+                               positionals=None)
+  return fv
+
+
+def parse_flags_and_args(command: str, argv: Sequence[str],
+                         make_flags: Callable[[list[str]], flags.FlagValues],
+                         required: Sequence[str] = (), doc: Optional[str] = None,
+                         positionals: Optional[str] = "ARGS", min_positionals: int = 0,
+                         prog: Optional[str] = None) -> tuple[flags.FlagValues, list[str]]:
+  """parse_flags, and the positional arguments (flags and positionals may mix; `--`
+  ends the flags). positionals=None: positional arguments are ignored, as absl does;
+  "": none are allowed; else their name in the usage line and the errors, at least
+  `min_positionals` of them.
+  `prog` replaces "t5x-like <command>" in the usage line (a `python -m` tool)."""
   argv = list(argv)
-  full_argv = [f"t5x-like {command}", *argv]
+  prog = prog or f"t5x-like {command}"
+  full_argv = [prog, *argv]
   fv = make_flags(full_argv)
   if any(a in HELP_FLAGS for a in argv):
-    print(usage_text(command, fv, doc))
+    print(usage_text(command, fv, doc, positionals=positionals, prog=prog))
     raise HelpShown()
   config_spec = _flag_value(argv, "config")
   if config_spec and "config" in fv:
@@ -61,21 +77,26 @@ def parse_flags(command: str, argv: Sequence[str],
     for key, flag in _config_overrides(argv):
       check_config_key(config, key, flag)
   try:
-    fv(full_argv)
+    args = fv(full_argv)[1:]
   except flags.Error as e:
     raise FlagError(str(e)) from None
   except Exception as e:  # noqa: BLE001  (ml-collections raises many types for a bad override)
     raise FlagError(f"{' '.join(argv)}: {type(e).__name__}: {e}") from None
   missing = [f"--{name}" for name in required if fv[name].value in (None, "")]
   if missing:
-    raise FlagError(f"{', '.join(missing)} required (t5x-like {command} --help lists the"
-                    " flags)")
-  return fv
+    raise FlagError(f"{', '.join(missing)} required ({prog} --help lists the flags)")
+  if positionals == "" and args:
+    raise FlagError(f"unexpected arguments {' '.join(args)!r} ({prog} takes flags only)")
+  if positionals and len(args) < min_positionals:
+    raise FlagError(f"{positionals} required ({prog} --help lists the arguments)")
+  return fv, args
 
 
-def usage_text(command: str, fv: flags.FlagValues, doc: Optional[str]) -> str:
+def usage_text(command: str, fv: flags.FlagValues, doc: Optional[str],
+               positionals: Optional[str] = None, prog: Optional[str] = None) -> str:
   """The command's docstring and one entry per flag (name, default, help)."""
-  lines = [f"usage: t5x-like {command} [flags]", ""]
+  tail = f" {positionals}" + ("" if "..." in positionals else " ...") if positionals else ""
+  lines = [f"usage: {prog or f't5x-like {command}'} [flags]{tail}", ""]
   if doc:
     lines += [doc.strip(), ""]
   lines.append("flags:")
@@ -197,6 +218,30 @@ def _closest(key: str, candidates: list[str], cutoff: float) -> list[str]:
                   reverse=True)
   best = scored[0][0] if scored else 0.0
   return [c for r, c in scored[:3] if r >= max(cutoff, best - 0.1)]
+
+
+def choose_subcommand(command: str, argv: Sequence[str], subcommands: dict[str, str],
+                      doc: Optional[str] = None) -> tuple[str, list[str]]:
+  """(subcommand, its argv) of `t5x-like <command> SUBCOMMAND ...`; `subcommands` maps
+  each name to its one-line summary. A help flag first prints them (HelpShown); no
+  subcommand or an unknown one is a FlagError."""
+  argv = list(argv)
+  names = ", ".join(subcommands)
+  if argv[:1] and argv[0] in HELP_FLAGS:
+    width = max(len(name) for name in subcommands)
+    lines = [f"usage: t5x-like {command} SUBCOMMAND [flags]", ""]
+    if doc:
+      lines += [doc.strip(), ""]
+    lines.append("subcommands:")
+    lines += [f"    {name.ljust(width)}  {summary}" for name, summary in subcommands.items()]
+    lines += ["", f"`t5x-like {command} SUBCOMMAND --help` shows a subcommand's flags."]
+    print("\n".join(lines))
+    raise HelpShown()
+  if not argv:
+    raise FlagError(f"a subcommand is required: one of {names}")
+  if argv[0] not in subcommands:
+    raise FlagError(f"invalid choice: {argv[0]!r} (choose from {names})")
+  return argv[0], argv[1:]
 
 
 def debug_requested(argv: Sequence[str]) -> bool:

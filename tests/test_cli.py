@@ -30,3 +30,79 @@ def test_bench_data_prints_tokens_per_second(capsys):
   assert result["objective"] == "causal_lm" and result["length"] == 128
   assert result["objective_tokens_per_second_per_core"] > 0
   assert result["tokenization_tokens_per_second_per_core"] > 0
+
+
+# ------------------------------------------------------------------ one flag style
+HELP_COMMANDS = ["train", "plan", "infer", "finetune", "models", "vocab", "vocab train",
+                 "vocab encode", "vocab decode", "task", "task books", "task books-unseen",
+                 "task books-within", "bench", "bench data", "bench model", "bench compile",
+                 "bench peer", "bench bert-vs-torch", "bench attention", "data",
+                 "data prepare"]
+
+
+def test_no_module_imports_argparse():
+  """Every command takes absl flags through t5x_like/command_flags.py (issue 30)."""
+  import os
+  import re
+  root = os.path.dirname(cli.__file__)
+  offenders = []
+  for folder, _, files in os.walk(root):
+    for name in files:
+      if name.endswith(".py"):
+        path = os.path.join(folder, name)
+        with open(path) as f:
+          if re.search(r"^\s*(import argparse|from argparse import)", f.read(), re.M):
+            offenders.append(os.path.relpath(path, root))
+  assert not offenders, offenders
+
+
+@pytest.mark.parametrize("command", HELP_COMMANDS)
+def test_every_command_help_exits_0(command, capsys):
+  assert cli.main([*command.split(), "--help"]) == 0
+  out, err = capsys.readouterr()
+  assert out.startswith(f"usage: t5x-like {command} "), out[:200]
+  assert not err
+
+
+def test_top_level_help_lists_every_command_with_its_summary(capsys):
+  assert cli.main(["--help"]) == 0
+  out = capsys.readouterr().out
+  for name, (_, summary) in cli.COMMANDS.items():
+    assert f"    {name}" in out and summary.split(":")[0] in out, name
+  assert set(cli.COMMANDS) >= {"train", "plan", "infer", "finetune", "models", "vocab",
+                               "task", "bench", "data"}
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["models", "--bogus"], ["bogus"]),
+    (["vocab", "train", "--source", "embedded", "--vocab-size", "700", "--family", "t5"],
+     ["--out required"]),
+    (["vocab", "decode", "--family", "t5"], ["ID required"]),
+    (["task", "books", "--num_blocks=4"], ["--out required"]),
+    (["bench", "data", "--objective", "nope"], ["--objective=nope"]),
+    (["bench", "attention", "--interpret_pallas=maybe"], ["interpret_pallas"]),
+    (["bench", "nope"], ["invalid choice: 'nope'"]),
+    (["data", "nope"], ["invalid choice: 'nope'"]),
+    ([], ["a command is required"]),
+])
+def test_usage_errors_are_one_line_exit_2(argv, words, capsys):
+  assert cli.main(argv) == 2
+  out, err = capsys.readouterr()
+  assert err.count("\n") == 1 and not out, err
+  for word in words:
+    assert word in err, (word, err)
+
+
+def test_boolean_and_list_flags_keep_their_spellings():
+  from t5x_like.commands import bench
+  for argv, value in ((["--interpret_pallas"], True), (["--nointerpret_pallas"], False),
+                      (["--interpret_pallas=true"], True), ([], False)):
+    fv = bench._attention_flags([])
+    fv(["x", *argv])
+    assert fv.interpret_pallas is value, argv
+  fv = bench._data_flags([])
+  fv(["x", "--objective", "span_corruption", "--prepared", "--sizes", "50,2000",
+      "--workers=1,2"])
+  assert (fv.objective, fv.prepared, bench._numbers(fv, "sizes", float),
+          bench._numbers(fv, "workers", int)) == ("span_corruption", True, [50.0, 2000.0],
+                                                  [1, 2])

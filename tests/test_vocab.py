@@ -216,9 +216,9 @@ def test_cli_vocab_train_and_encode(tmp_path, capsys):
      "no files match '/no/such/dir/*.txt'"),
     (["--source", "webtext", "--vocab-size", "700", "--family", "t5"],
      "bad source spec 'webtext'; valid forms: embedded"),
-    (["--source", "embedded", "--vocab-size", "12", "--family", "t5"], "argument --vocab-size"),
-    (["--source", "embedded", "--vocab-size", "many", "--family", "t5"], "argument --vocab-size"),
-    (["--source", "embedded", "--vocab-size", "700", "--family", "xlnet"], "argument --family"),
+    (["--source", "embedded", "--vocab-size", "12", "--family", "t5"], "--vocab-size=12"),
+    (["--source", "embedded", "--vocab-size", "many", "--family", "t5"], "--vocab-size=many"),
+    (["--source", "embedded", "--vocab-size", "700", "--family", "xlnet"], "--family=xlnet"),
 ])
 def test_cli_vocab_train_names_the_bad_argument(args, named, tmp_path, capsys):
   assert cli.main(["vocab", "train", "--out", str(tmp_path)] + args) == 2

@@ -1,5 +1,9 @@
-"""`t5x-like bench model | compile | peer | bert-vs-torch --config FILE[:ARG] [--config.KEY=VALUE]`.
+"""`t5x-like bench data | attention | model | compile | peer | bert-vs-torch [flags]`.
 
+  data           tokens/s per core of an objective (plus packing) and of tokenization;
+                 with --prepared, prepared corpora at --sizes: bench/data.py, bench/prepared.py
+  attention      every attention kernel of this device against a float32 reference (values
+                 and gradients, five masks, a bias; dropout statistics) and its time
   model          compile and time the train step (and decode step): bench/model.py
   compile        compile time of the train step at several depths (--layers 6,12,24)
   peer           our train step against transformers' PyTorch model of the config's family
@@ -7,7 +11,8 @@
   bert-vs-torch  our BERT step against transformers' BertForPreTraining in bfloat16 and
                  float32 (the CPU regression guard): bench/peers.py
 
-Each prints one JSON object. absl / ml-collections flags, as `train`.
+Each prints one JSON object. model, compile, peer and bert-vs-torch take
+--config FILE[:ARG] [--config.KEY=VALUE ...] (absl / ml-collections flags, as `train`).
 """
 
 from __future__ import annotations
@@ -19,9 +24,23 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from t5x_like.command_flags import parse_flags
+from t5x_like.command_flags import (FlagError, choose_subcommand, parse_flags,
+                                    parse_flags_and_args)
+from t5x_like.errors import UserError
 
-COMMANDS = ("model", "compile", "peer", "bert-vs-torch")
+COMMANDS = {
+    "data": "tokens/s per core of an objective (plus packing) and of tokenization, as JSON;"
+            " with --prepared, prepared corpora at --sizes (prepare, start-up, memory,"
+            " tokens/s)",
+    "attention": "every attention kernel of this device against a float32 reference (values"
+                 " and gradients, five masks, a bias; dropout statistics) and its time, as"
+                 " JSON",
+    "model": "compile and time the train step (and a decode step) of a config",
+    "compile": "compile time of the train step at several depths (--layers 6,12,24)",
+    "peer": "our train step against transformers' PyTorch model (BERT, GPT-2), eager and"
+            " compiled",
+    "bert-vs-torch": "our BERT step against transformers' BertForPreTraining",
+}
 
 
 def _flags(argv: list[str]) -> flags.FlagValues:
@@ -42,12 +61,12 @@ def _flags(argv: list[str]) -> flags.FlagValues:
 
 
 def main(argv: list[str]) -> int:
-  if not argv or argv[0] not in COMMANDS:
-    print(f"t5x-like bench: expected one of {', '.join(COMMANDS)} (or data); got"
-          f" {argv[:1]}", file=sys.stderr)
-    return 2
-  what = argv[0]
-  fv = parse_flags(f"bench {what}", argv[1:], _flags, doc=__doc__)
+  what, argv = choose_subcommand("bench", argv, COMMANDS, doc=__doc__)
+  if what == "data":
+    return _bench_data(argv)
+  if what == "attention":
+    return _bench_attention(argv)
+  fv = parse_flags(f"bench {what}", argv, _flags, doc=COMMANDS[what])
   if what in ("peer", "bert-vs-torch"):
     # PyTorch shares the GPU: JAX allocates as it needs instead of taking 75% up front
     # (read when JAX's GPU client starts, which is later).
@@ -70,5 +89,83 @@ def main(argv: list[str]) -> int:
   except ValueError as e:
     print(f"t5x-like bench {what}: {e}", file=sys.stderr)
     return 2
+  print(json.dumps(result, indent=1))
+  return 0
+
+
+# ------------------------------------------------------------------ data, attention
+def _data_flags(argv: list[str]) -> flags.FlagValues:
+  del argv
+  from t5x_like.data.pipeline import OBJECTIVES
+  fv = flags.FlagValues()
+  flags.DEFINE_enum("objective", None, sorted(OBJECTIVES), "the objective to bench",
+                    flag_values=fv)
+  flags.DEFINE_integer("length", None, "sequence length (default: the objective's usual"
+                       " one)", flag_values=fv)
+  flags.DEFINE_integer("batch", 64, "batch size", flag_values=fv)
+  flags.DEFINE_integer("steps", 30, "batches per timed run", flag_values=fv)
+  flags.DEFINE_integer("repeats", 5, "timed runs (median reported)", flag_values=fv)
+  flags.DEFINE_bool("prepared", False, "bench prepared corpora (bench/prepared.py) instead",
+                    flag_values=fv)
+  flags.DEFINE_list("sizes", ["50", "2000"], "--prepared: synthetic corpus sizes in MB",
+                    flag_values=fv)
+  flags.DEFINE_list("workers", ["1", "2"], "--prepared: Beam worker counts to prepare with",
+                    flag_values=fv)
+  flags.DEFINE_string("scratch", None, "--prepared: folder for the scratch corpora"
+                      " (default: the temp dir)", flag_values=fv)
+  return fv
+
+
+def _numbers(fv: flags.FlagValues, name: str, kind) -> list:
+  try:
+    return [kind(x) for x in fv[name].value]
+  except ValueError:
+    raise FlagError(f"--{name}={','.join(fv[name].value)}: expected {kind.__name__}s,"
+                    " comma-separated") from None
+
+
+def _bench_data(argv: list[str]) -> int:
+  fv, _ = parse_flags_and_args("bench data", argv, _data_flags, required=("objective",),
+                               doc=COMMANDS["data"], positionals="")
+  if fv.prepared:
+    from t5x_like.bench.prepared import bench_prepared
+    print(json.dumps(bench_prepared(sizes_mb=_numbers(fv, "sizes", float),
+                                    objective=fv.objective,
+                                    workers=_numbers(fv, "workers", int),
+                                    scratch=fv.scratch), indent=1))
+    return 0
+  from t5x_like.bench.data import bench_objective
+  print(json.dumps(bench_objective(fv.objective, length=fv.length, batch_size=fv.batch,
+                                   steps=fv.steps, repeats=fv.repeats), indent=1))
+  return 0
+
+
+def _attention_flags(argv: list[str]) -> flags.FlagValues:
+  del argv
+  fv = flags.FlagValues()
+  flags.DEFINE_integer("batch", 4, "batch size", flag_values=fv)
+  flags.DEFINE_integer("length", 512, "sequence length", flag_values=fv)
+  flags.DEFINE_integer("heads", 16, "query heads", flag_values=fv)
+  flags.DEFINE_integer("kv_heads", 0, "key/value heads (default 0: --heads, MHA)",
+                       flag_values=fv)
+  flags.DEFINE_integer("head_dim", 64, "dimension per head", flag_values=fv)
+  flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"],
+                    "the kernels' dtype", flag_values=fv)
+  flags.DEFINE_integer("steps", 10, "timed calls (median)", flag_values=fv)
+  flags.DEFINE_bool("interpret_pallas", False, "also run the Pallas TPU kernel in"
+                    " interpret mode (slow)", flag_values=fv)
+  return fv
+
+
+def _bench_attention(argv: list[str]) -> int:
+  fv, _ = parse_flags_and_args("bench attention", argv, _attention_flags,
+                               doc=COMMANDS["attention"], positionals="")
+  from t5x_like.bench.attention import bench_attention
+  try:
+    result = bench_attention(batch=fv.batch, length=fv.length, heads=fv.heads,
+                             kv_heads=fv.kv_heads, head_dim=fv.head_dim, dtype=fv.dtype,
+                             steps=fv.steps, interpret_pallas=fv.interpret_pallas)
+  except ValueError as e:
+    raise UserError(str(e)) from None
   print(json.dumps(result, indent=1))
   return 0

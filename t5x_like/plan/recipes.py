@@ -17,7 +17,6 @@ Minutes per row on a small host: this is a command to run once per release, not 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -25,9 +24,11 @@ import re
 import sys
 import time
 import traceback
+import types
 from typing import Optional
 
 import ml_collections
+from absl import flags
 
 from t5x_like.plan.text import human_bytes
 
@@ -240,32 +241,66 @@ def _read_rows(path: str) -> dict[str, dict]:
   return rows
 
 
+_PROG = "python -m t5x_like.plan.recipes"
+
+
+def _flags() -> flags.FlagValues:
+  fv = flags.FlagValues()
+  flags.DEFINE_multi_string("only", [], "rows whose name starts with NAME (e.g. bert-base,"
+                            " bert-base/512@v5e-16; repeatable, or --only NAME NAME ...);"
+                            " known: " + ", ".join(r.name for r in RECIPES), flag_values=fv)
+  flags.DEFINE_string("json", None, "OUT.jsonl: append one JSON line per row", flag_values=fv)
+  flags.DEFINE_string("resume-from", None, "IN.jsonl: skip the rows this file holds (errors"
+                      " too: a compiler's refusal is a finding); they stay in the table",
+                      flag_values=fv)
+  flags.DEFINE_string("markdown", None, "OUT.md: also write the table here, rewritten after"
+                      " every row", flag_values=fv)
+  flags.DEFINE_bool("continue-fits", False, "with --resume-from: rerun its rows whose batch"
+                    " search stopped on the time budget, going on from the sizes they"
+                    " compiled", flag_values=fv)
+  flags.DEFINE_bool("no-fit", False, "skip the batch search", flag_values=fv)
+  flags.DEFINE_float("fit-budget-s", 20 * 60, "no search compile starts this long after the"
+                     " row began", flag_values=fv)
+  return fv
+
+
+def _parse(argv: list[str]) -> Optional[types.SimpleNamespace]:
+  """The flags (absl; `--only A B` as before: names after --only extend it), or None after
+  printing the help."""
+  fv = _flags()
+  if any(a in ("-h", "--help", "--helpshort", "--helpfull") for a in argv):
+    print(f"usage: {_PROG} [flags]\n\n{__doc__.strip()}\n\nflags:")
+    for name in sorted(fv):
+      default = "" if fv[name].default is None else f" (default: {fv[name].default_as_str})"
+      print(f"  --{name}: {fv[name].help}{default}")
+    return None
+  try:
+    extra = fv([_PROG, *argv])[1:]
+  except flags.Error as e:
+    raise ValueError(str(e)) from None
+  if extra and not fv.only:
+    raise ValueError(f"unexpected arguments {' '.join(extra)!r}")
+  return types.SimpleNamespace(
+      only=[*fv.only, *extra], json=fv.json, resume_from=fv["resume-from"].value,
+      markdown=fv.markdown, continue_fits=fv["continue-fits"].value,
+      no_fit=fv["no-fit"].value, fit_budget_s=fv["fit-budget-s"].value)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m t5x_like.plan.recipes",
-                                   description=__doc__.split("\n\n")[0])
-  parser.add_argument("--only", nargs="+", default=[], metavar="NAME",
-                      help="rows whose name starts with NAME (e.g. bert-base,"
-                           " bert-base/512@v5e-16); known: " +
-                           ", ".join(r.name for r in RECIPES))
-  parser.add_argument("--json", metavar="OUT.jsonl", help="append one JSON line per row")
-  parser.add_argument("--resume-from", metavar="IN.jsonl",
-                      help="skip the rows this file holds (errors too: a compiler's"
-                           " refusal is a finding); they stay in the table")
-  parser.add_argument("--markdown", metavar="OUT.md", help="also write the table here,"
-                      " rewritten after every row")
-  parser.add_argument("--continue-fits", action="store_true",
-                      help="with --resume-from: rerun its rows whose batch search stopped"
-                           " on the time budget, going on from the sizes they compiled")
-  parser.add_argument("--no-fit", action="store_true", help="skip the batch search")
-  parser.add_argument("--fit-budget-s", type=float, default=20 * 60,
-                      help="no search compile starts this long after the row began")
-  args = parser.parse_args(argv)
-  recipes = [r for r in RECIPES if not args.only or any(r.name.startswith(p)
-                                                        for p in args.only)]
-  if not recipes:
-    parser.error(f"--only {' '.join(args.only)}: no such rows")
-  if args.continue_fits and not args.resume_from:
-    parser.error("--continue-fits goes on from the rows of --resume-from FILE")
+  argv = sys.argv[1:] if argv is None else list(argv)
+  try:
+    args = _parse(argv)
+    if args is None:
+      return 0
+    recipes = [r for r in RECIPES if not args.only or any(r.name.startswith(p)
+                                                          for p in args.only)]
+    if not recipes:
+      raise ValueError(f"--only {' '.join(args.only)}: no such rows")
+    if args.continue_fits and not args.resume_from:
+      raise ValueError("--continue-fits goes on from the rows of --resume-from FILE")
+  except ValueError as e:
+    print(f"{_PROG}: error: {e}", file=sys.stderr)
+    return 2
   done = _read_rows(args.resume_from)
 
   from t5x_like.plan.tpu import quiet_backend_init
