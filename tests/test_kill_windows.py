@@ -12,7 +12,7 @@ tests/test_finetune_cli.py; the Pallas kernel's dropout in tests/test_train.py).
 
 import pytest
 
-from helpers import jsonl_rows, run_child, train_command, child_env
+from helpers import child_env, jsonl_rows, run_child, train_command
 from t5x_like.failpoints import FAILPOINT_ENV
 
 ARGS = ("--config.train.num_steps=12", "--config.train.log_every=1",

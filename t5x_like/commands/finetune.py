@@ -2,10 +2,10 @@
 
 Fine-tunes the backbone named by config.init on config.task (finetune/defaults.py) and
 prints the final dev metrics. SIGTERM or Ctrl-C saves a checkpoint and stops (exit 143
-or 130, 128 + the signal's number; rerun to resume). Exit status 2 on bad input (a bad data row names its file and line),
-1 on a non-finite loss. Multi-host: every process runs the same command with the
-train command's flags (--num_processes, --process_id, --coordinator_address or
---distributed=auto).
+or 130, 128 + the signal's number; rerun to resume). Exit status 2 on bad input (a bad
+data row names its file and line), 1 on a non-finite loss. Multi-host: every process
+runs the same command with the train command's flags (--num_processes, --process_id,
+--coordinator_address or --distributed=auto).
 """
 
 from __future__ import annotations

@@ -113,7 +113,8 @@ def _cmd_train(args) -> int:  # args: the flags
                         out_dir=args.out, model_type=args['model-type'].value, seed=args.seed,
                         num_threads=args.threads, max_sentences=args['max-sentences'].value)
   except RuntimeError as e:  # sentencepiece: e.g. "Vocabulary size too high"
-    note = " (the t5 sentencepiece model holds vocab_size - 100 pieces)" if args.family == "t5" else ""
+    note = (" (the t5 sentencepiece model holds vocab_size - 100 pieces)"
+            if args.family == "t5" else "")
     print(f"t5x-like vocab train: error: argument --vocab-size: {e}{note}", file=sys.stderr)
     return 2
   print(json.dumps(dict(path=vocab.path, family=vocab.family, vocab_size=vocab.vocab_size,
