@@ -18,11 +18,11 @@ def config_path(name: str) -> str:
 
 
 def load_config(name: str, arg: str = ""):
-  """get_config(arg) of configs/<name>.py, as `--config=configs/<name>.py:<arg>` loads it."""
+  """get_config(arg) of configs/<name>.py (`--config=configs/<name>.py:<arg>`)."""
   spec = importlib.util.spec_from_file_location(f"config_{name}", config_path(name))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config(arg) if arg else module.get_config()
+  return module.get_config(arg)
 
 
 def child_env(devices: int = 8, **extra: str) -> dict:

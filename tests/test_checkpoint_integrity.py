@@ -23,6 +23,7 @@ from t5x_like.checkpoint import checkpointer as checkpoints
 from t5x_like.checkpoint import (CheckpointDirectoryError, Checkpointer,
                                  CheckpointSpaceError, CorruptCheckpointError)
 from t5x_like.train.pretrained import find_checkpoint, restore_params
+from helpers import load_config
 
 # A failed tensorstore read leaves orbax coroutines unawaited; they warn when collected.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -378,14 +379,9 @@ def test_a_disk_that_fills_up_mid_save_keeps_the_earlier_steps(small_disk, mesh,
 def test_a_run_resumed_past_one_flipped_byte_matches_an_undamaged_run(tmp_path, caplog):
   """Before checksums, one flipped bit in a data file resumed silently from damaged
   weights; now step 10 is set aside and steps 6..10 are recomputed exactly."""
-  import importlib.util
   from t5x_like.train import loop
   from t5x_like.train.metrics import read_jsonl
-  root = pathlib.Path(__file__).resolve().parent.parent
-  spec = importlib.util.spec_from_file_location("gpt_cpu", root / "configs" / "gpt_cpu.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config("smoke")
+  config = load_config("gpt_cpu", "smoke")
   config.train.num_steps = 10
   config.optimizer.decay_steps = 20  # the schedule must not change with num_steps below
   workdir = tmp_path / "run"
@@ -409,12 +405,7 @@ def test_a_run_resumed_past_one_flipped_byte_matches_an_undamaged_run(tmp_path, 
 
 
 def _gpt_smoke(num_steps: int):
-  import importlib.util
-  root = pathlib.Path(__file__).resolve().parent.parent
-  spec = importlib.util.spec_from_file_location("gpt_cpu", root / "configs" / "gpt_cpu.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config("smoke")
+  config = load_config("gpt_cpu", "smoke")
   config.train.num_steps, config.train.log_every = num_steps, 1
   config.train.checkpoint_every, config.train.eval_every = 5, 100
   config.optimizer.decay_steps = 40

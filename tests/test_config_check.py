@@ -5,7 +5,6 @@ configs train a few steps."""
 import dataclasses
 import fnmatch
 import glob
-import importlib.util
 import os
 import re
 
@@ -16,7 +15,7 @@ from t5x_like.models.config import ModelConfig
 from t5x_like.train import loop
 from t5x_like.train.config_check import ConfigError, mesh_axis_sizes, validate
 from t5x_like.train.defaults import default_config, parse_arg
-from helpers import ROOT
+from helpers import ROOT, load_config
 
 CONFIGS = os.path.join(ROOT, "configs")
 
@@ -33,11 +32,7 @@ VARIANTS = {
 FINETUNE_VARIANTS = {"finetune_books": ["bert", "t5", "bert,smoke", "t5,smoke"]}
 
 
-def load(name: str, arg: str = ""):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(CONFIGS, f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+load = load_config
 
 
 def test_every_config_file_is_covered():

@@ -6,7 +6,6 @@ all): a greedy loop, teacher-forced log-softmax sums, the softmax at each [MASK]
 params come from load_pretrained, the vocabulary from the config.
 """
 
-import importlib.util
 import json
 import os
 
@@ -17,18 +16,14 @@ import pytest
 
 from t5x_like import cli
 from t5x_like.train.pretrained import load_pretrained
+from helpers import CONFIGS as CONFIGS_DIR, load_config
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "configs")
+CONFIG_DIR = CONFIGS_DIR
 CONFIGS = {name: os.path.join(CONFIG_DIR, f"{name}_cpu.py:smoke") for name in ("gpt", "t5", "bert")}
 
 
 def _load_config(name):
-  path, arg = CONFIGS[name].split(":")
-  spec = importlib.util.spec_from_file_location(f"config_{name}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+  return load_config(f"{name}_cpu", "smoke")
 
 
 def _train(name, tmp_path_factory):

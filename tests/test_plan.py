@@ -8,7 +8,6 @@ FLOP count, the Cloud TPU v3 figures (123 TFLOP/s and 32 GiB per chip, two cores
 """
 
 import contextlib
-import importlib.util
 import io
 import json
 import math
@@ -22,6 +21,7 @@ from t5x_like.plan import make_plan, parse_topology, planned_mesh
 from t5x_like.experiment import build_model_from_config
 from t5x_like.train.optimizers import make_optimizer
 from t5x_like.train.state import train_state_shardings
+from helpers import load_config
 
 BERT_CONFIG = str(pathlib.Path(__file__).parents[1] / "configs" / "bert_pretrain.py")
 # transformers' BertForPreTraining(BertConfig(vocab_size=30522, ...)).num_parameters()
@@ -138,10 +138,7 @@ def test_flops_and_time_agree_with_a_first_principles_count(json_plans, size):
 
 def _config(arg: str):
   """configs/bert_pretrain.py's get_config(arg)."""
-  spec = importlib.util.spec_from_file_location("bert_pretrain", BERT_CONFIG)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+  return load_config("bert_pretrain", arg)
 
 
 # ----------------------------------------------------------------- CPU: compiled

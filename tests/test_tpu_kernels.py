@@ -10,9 +10,6 @@ temporaries are a fraction of the explicit kernel's; BERT-base at length 512 fit
 v5e-16 by the compiler's numbers.
 """
 
-import importlib.util
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -30,16 +27,12 @@ from t5x_like.plan.report import make_plan  # noqa: E402
 from t5x_like.plan.shapes import model_vocab_size, plan_phases  # noqa: E402
 from t5x_like.train.optimizers import make_optimizer  # noqa: E402
 from t5x_like.plan.topology import parse_topology  # noqa: E402
+from helpers import load_config  # noqa: E402
 
-CONFIGS = pathlib.Path(__file__).parents[1] / "configs"
 GiB = 1 << 30
 
 
-def _config(name: str, arg: str = ""):
-  spec = importlib.util.spec_from_file_location(name, CONFIGS / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+_config = load_config
 
 
 def _smoke_at_128(name: str, **model):

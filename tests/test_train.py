@@ -15,17 +15,12 @@ from t5x_like.errors import NonFiniteLossError
 from t5x_like.models.attention_kernels import PALLAS_INTERPRET_ENV
 from t5x_like.train import loop
 from t5x_like.train.metrics import read_jsonl
-from helpers import ROOT
+from helpers import ROOT, load_config
 
 CONFIGS = os.path.join(ROOT, "configs")
 
 
-def _load_config(name: str, arg: str = ""):
-  import importlib.util
-  spec = importlib.util.spec_from_file_location(name, os.path.join(CONFIGS, f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+_load_config = load_config
 
 
 def _train_command(config: str, workdir: str, *extra: str) -> list[str]:
