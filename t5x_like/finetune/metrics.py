@@ -3,6 +3,11 @@
   accuracy(predictions, labels)              labels < 0 are ignored
   macro_f1(predictions, labels)              mean F1 over the classes that occur in
                                              labels or predictions
+  binary_f1(predictions, labels)             F1 of the positive class (MRPC, QQP)
+  matthews_corrcoef(predictions, labels)     Matthews correlation (CoLA), any classes
+  pearson(a, b), spearman(a, b)              correlations (STS-B); ties share ranks
+  glue_score(results)                        GLUE's mean over tasks of each task's
+                                             mean metric
   normalize_answer(text)                     SQuAD: lower, drop punctuation, articles,
                                              extra whitespace
   exact_match(prediction, answers)           max over the gold answers, 0 / 1
@@ -14,6 +19,7 @@
 from __future__ import annotations
 
 import collections
+import math
 import re
 import string
 from typing import Sequence, Union
@@ -103,3 +109,66 @@ def squad_scores(predictions: Sequence[str], answers: Sequence[Answers]) -> dict
 def label_scores(predictions, labels) -> dict[str, float]:
   """{'accuracy', 'macro_f1'} over labels >= 0."""
   return {"accuracy": accuracy(predictions, labels), "macro_f1": macro_f1(predictions, labels)}
+
+
+def binary_f1(predictions, labels, positive: int = 1) -> float:
+  """F1 = 2 tp / (2 tp + fp + fn) of the `positive` class, over labels >= 0 (0 when it
+  has no true positive): GLUE's F1 for MRPC and QQP."""
+  predictions, labels = _valid(predictions, labels)
+  tp = np.sum((predictions == positive) & (labels == positive))
+  fp = np.sum((predictions == positive) & (labels != positive))
+  fn = np.sum((predictions != positive) & (labels == positive))
+  return float(2 * tp / (2 * tp + fp + fn)) if tp else 0.0
+
+
+def matthews_corrcoef(predictions, labels) -> float:
+  """Matthews correlation over labels >= 0, for any number of classes (Gorodkin 2004):
+  (c s - sum_k p_k t_k) / sqrt((s^2 - sum_k p_k^2) (s^2 - sum_k t_k^2)), with c the
+  correct predictions, s the examples, p_k / t_k the predictions / labels of class k;
+  0 when either factor of the denominator is 0 (one class only). CoLA's metric."""
+  predictions, labels = _valid(predictions, labels)
+  classes = np.union1d(predictions, labels)
+  p = np.array([np.sum(predictions == c) for c in classes], np.float64)
+  t = np.array([np.sum(labels == c) for c in classes], np.float64)
+  s, c = float(labels.size), float(np.sum(predictions == labels))
+  denominator = (s * s - p @ p) * (s * s - t @ t)
+  return float((c * s - p @ t) / np.sqrt(denominator)) if denominator > 0 else 0.0
+
+
+def pearson(a, b) -> float:
+  """Pearson's correlation of two [N] arrays (0 when either is constant)."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  a, b = a - a.mean(), b - b.mean()
+  denominator = math.sqrt(float(np.sum(a * a) * np.sum(b * b)))
+  return float(np.sum(a * b) / denominator) if denominator > 0 else 0.0
+
+
+def ranks(x) -> np.ndarray:
+  """Ranks 1..n of an [N] array, ties sharing their mean rank."""
+  x = np.asarray(x)
+  order = np.argsort(x, kind="stable")
+  out = np.empty(len(x))
+  out[order] = np.arange(1, len(x) + 1)
+  for value in np.unique(x):
+    tied = x == value
+    out[tied] = out[tied].mean()
+  return out
+
+
+def spearman(a, b) -> float:
+  """Spearman's rank correlation: Pearson's of the ranks, ties sharing their mean rank."""
+  return pearson(ranks(a), ranks(b))
+
+
+def glue_score(results: dict[str, dict[str, float]]) -> float:
+  """The GLUE score as the leaderboard computes it: each task's metrics averaged into
+  one task score (MRPC's F1 and accuracy, STS-B's Pearson and Spearman, MNLI's matched
+  and mismatched accuracy), then the unweighted mean over tasks (Wang et al. 2019)."""
+  if not results:
+    raise ValueError("glue_score: no task results")
+  scores = []
+  for task, metrics in results.items():
+    if not metrics:
+      raise ValueError(f"glue_score: task {task!r} has no metrics")
+    scores.append(float(np.mean(list(metrics.values()))))
+  return float(np.mean(scores))

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5x_like.finetune import encoding, heads
+from t5x_like.finetune import metrics as metrics_lib
 from t5x_like.finetune.task import BadRow, Example, Task, field
 from t5x_like.models.layers import compute_dtype
 
@@ -31,23 +32,6 @@ def _score(value, column: str) -> float:
   if isinstance(value, bool) or not math.isfinite(score):
     raise BadRow("bad_value", f"column {column!r} is not a finite number: {value!r}")
   return score
-
-
-def _ranks(x: np.ndarray) -> np.ndarray:
-  """Ranks 1..n, ties sharing their mean rank (as Spearman's correlation needs)."""
-  order = np.argsort(x, kind="stable")
-  ranks = np.empty(len(x))
-  ranks[order] = np.arange(1, len(x) + 1)
-  for value in np.unique(x):
-    tied = x == value
-    ranks[tied] = ranks[tied].mean()
-  return ranks
-
-
-def _pearson(a: np.ndarray, b: np.ndarray) -> float:
-  a, b = a - a.mean(), b - b.mean()
-  denominator = math.sqrt(float(np.sum(a * a) * np.sum(b * b)))
-  return float(np.sum(a * b) / denominator) if denominator > 0 else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +81,8 @@ class Regression(Task):
   def metrics(self, predictions, features, dataset):
     predicted = np.asarray(predictions, np.float64)
     gold = np.asarray(features["labels"], np.float64)
-    return {"pearson": _pearson(predicted, gold),
-            "spearman": _pearson(_ranks(predicted), _ranks(gold)),
+    return {"pearson": metrics_lib.pearson(predicted, gold),
+            "spearman": metrics_lib.spearman(predicted, gold),
             "mse": float(np.mean(np.square(predicted - gold)))}
 
   def prediction_row(self, k, example, predictions, features, dataset):
