@@ -42,10 +42,6 @@ def main(argv: list[str]) -> int:
 
 def _finetune(fv: flags.FlagValues, lock) -> int:
   initialize_distributed(fv, "finetune")
-  import jax
-  from t5x_like.finetune.config_check import validate_finetune
-  # The train command's checks on the fine-tuning schema; a ConfigError is a UserError.
-  validate_finetune(fv.config, jax.device_count())
   from t5x_like.finetune.loop import finetune
   from t5x_like.errors import NonFiniteLossError
   try:  # a UserError (config, rows, backbone, checkpoint) is reported by t5x_like.cli

@@ -25,6 +25,7 @@ from t5x_like import fs
 from t5x_like.errors import UserError
 from t5x_like.experiment import build_mesh
 from t5x_like.finetune.backbone import load_backbone
+from t5x_like.finetune.config_check import validate_finetune
 from t5x_like.finetune.data import read_examples
 from t5x_like.finetune.encoding import EncodedRows, encode_examples
 from t5x_like.finetune.evaluate import Predictor, dev_metrics, prediction_rows
@@ -39,23 +40,9 @@ from t5x_like.train.state import abstract_train_state, create_train_state
 from t5x_like.train.step import make_train_step
 from t5x_like.workdir_lock import WorkdirLock
 
+
 class FinetuneConfigError(UserError, ValueError):
   """A fine-tuning config that cannot run; the message names the key."""
-
-
-def _check_config(config) -> None:
-  task, tc = config.task, config.train
-  for key in ("train_file", "dev_file"):
-    if not task[key]:
-      raise FinetuneConfigError(f"config.task.{key} is required (a CSV or JSONL file)")
-    if not os.path.isfile(task[key]):
-      raise FinetuneConfigError(f"config.task.{key}={task[key]!r} does not exist")
-  if tc.num_steps < 1 or tc.batch_size < 1:
-    raise FinetuneConfigError(f"config.train.num_steps={tc.num_steps} and"
-                              f" batch_size={tc.batch_size} must be >= 1")
-  if tc.batch_size % jax.process_count():
-    raise FinetuneConfigError(f"config.train.batch_size={tc.batch_size} does not divide"
-                              f" over {jax.process_count()} processes")
 
 
 # ============================================================================ finetune
@@ -68,7 +55,7 @@ def finetune(config: ml_collections.ConfigDict, workdir, *,
   from the last checkpoint). A UserError (bad config, rows, backbone, a locked workdir)
   leaves the workdir as it was. lock: the workdir's lock when the caller holds it (the
   finetune command takes it before building anything); None takes it here."""
-  _check_config(config)
+  validate_finetune(config, jax.device_count())  # the train checks on its schema
   task = task_from_config(config.task)
   tc = config.train
   with open_run(workdir, total_steps=tc.num_steps, keep=2, async_save=False,
