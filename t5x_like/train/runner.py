@@ -23,18 +23,12 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 
+from t5x_like import failpoints
 from t5x_like.data.loader import make_loader
 from t5x_like.errors import NonFiniteLossError
 from t5x_like.parallel import shard_batch
-from t5x_like import failpoints
-from t5x_like.failpoints import FAILPOINT_ENV  # noqa: F401  (the tests' name for it)
 from t5x_like.train.prefetch import DevicePrefetcher
 from t5x_like.train.run_context import Run
-
-# Fault injection for the kill tests: T5X_LIKE_FAILPOINT="POINT@STEP" SIGKILLs this
-# process at POINT ("before_row", "after_row", "after_save") of step STEP; the others
-# are in t5x_like/failpoints.py.
-failpoint = failpoints.kill_at
 
 
 def device_batches(objective, batch_size: int, *, seed: int, mesh, rules, shuffle: bool = True,
@@ -133,10 +127,10 @@ def run_steps(loop: StepLoop, state, step: int, until_step: int):
     if at_end or every.evaluates(step):
       eval_metrics = loop.evaluate(state, step)
       row.update(loop.eval_row(eval_metrics))
-    failpoint("before_row", step)
+    failpoints.kill_at("before_row", step)  # the kill tests (t5x_like/failpoints.py)
     if row:
       writer.write_scalars(step, row)
-    failpoint("after_row", step)
+    failpoints.kill_at("after_row", step)
     if stopping:
       writer.log(f"{run.preemption.requested}: saving a checkpoint at step {step} and"
                  " stopping; rerun the same command to resume")
@@ -144,5 +138,5 @@ def run_steps(loop: StepLoop, state, step: int, until_step: int):
       return step, state, eval_metrics, True
     if at_checkpoint or at_end:
       save(step, force=at_end)  # the end: the next phase (or a rerun) resumes here
-      failpoint("after_save", step)
+      failpoints.kill_at("after_save", step)
   return step, state, eval_metrics, False
