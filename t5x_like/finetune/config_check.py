@@ -21,7 +21,8 @@ import jax
 from t5x_like.experiment import config_vocab
 from t5x_like.finetune.defaults import default_finetune_config
 from t5x_like.finetune.task import Task
-from t5x_like.finetune.tasks import task_from_config
+from t5x_like.finetune.splits import run_task
+from t5x_like.finetune.tfds_data import check_benchmark
 from t5x_like.models import build_model, model_class
 from t5x_like.models.config import ModelConfig
 from t5x_like.train.config_check import (ConfigError, check_fields, check_finite, check_mesh,
@@ -43,8 +44,10 @@ def validate_finetune(config, num_devices: Optional[int] = None,
   check_schema(config, default_finetune_config(), _OPEN)
   check_finite(config)
   check_seed(config)
-  task = task_from_config(config.task)
-  for key in ("train_file", "dev_file"):
+  task = run_task(config, text_to_text=False)
+  if config.benchmark.name:
+    check_benchmark(config.benchmark)
+  for key in () if config.benchmark.name else ("train_file", "dev_file"):
     if not config.task[key]:
       raise ConfigError(f"task.{key} is required (a CSV or JSONL file)")
     if not os.path.isfile(config.task[key]):

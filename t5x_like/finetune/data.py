@@ -47,6 +47,9 @@ class Dataset:
   examples: list[Example]
   labels: tuple[str, ...]
   stats: dict[str, Any]
+  ids: Optional[list] = None  # a benchmark's example ids (idx), for its submission file
+  golds: Optional[list] = None  # a benchmark's gold values (all of SQuAD's answers)
+  labeled: bool = True  # False: a test split without labels, predicted only
 
 
 # ------------------------------------------------------------------ raw rows
@@ -142,6 +145,13 @@ def read_examples(path: str, task: Task, labels: Optional[Sequence[str]] = None,
   task.check_files_options()
   fmt = _file_format(path, file_format)
   rows = list(_csv_rows(path, task.required_columns()) if fmt == "csv" else _jsonl_rows(path))
+  return dataset_from_rows(path, rows, task, labels)
+
+
+def dataset_from_rows(path: str, rows: Sequence[tuple[int, Any]], task: Task,
+                      labels: Optional[Sequence[str]] = None) -> Dataset:
+  """A Dataset of rows (line, {column: value} | BadRow | None for a blank line) read
+  from `path` (a file, or a benchmark's split), as read_examples describes."""
   stats = dict(rows=0, examples=0, bad_rows=0, blank_lines=0,
                bad_row_reasons=collections.Counter(), bad_row_messages=[])
 

@@ -39,6 +39,15 @@ def default_finetune_config() -> ml_collections.ConfigDict:
   c.task.dev_file = ""
   c.task.update(task_options())
 
+  # Or a benchmark task read from TFDS (t5x_like/finetune/benchmarks.py): it sets the
+  # task type and columns; task.train_file / dev_file are then unused.
+  c.benchmark = ml_collections.ConfigDict()
+  c.benchmark.name = ""  # e.g. "glue/cola", "super_glue/cb", "squad/v1.1"
+  c.benchmark.data_dir = ""  # TFDS data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
+  c.benchmark.predict_test = True  # predict the test splits, write the submission files
+  c.benchmark.max_train_examples = 0  # > 0: the first N training examples only
+  c.benchmark.max_eval_examples = 0  # > 0: the first N of each dev / test split
+
   # Tokenizer: "" = the pretraining config's vocabulary (init.hf: its vocab.txt or
   # spiece.model); else a sentencepiece .model or a WordPiece vocab.txt path.
   c.tokenizer = ml_collections.ConfigDict()

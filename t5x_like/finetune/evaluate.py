@@ -8,7 +8,8 @@
 Predictions are the task's (FinetuneModel.predict); a text-to-text model gives
 {"generated": the greedily generated label string's class, -1 when it is no label;
 "ranked": the label of highest likelihood}, and its metrics are the task's on the
-generated labels plus rank_* on the ranked ones.
+generated labels plus rank_* on the ranked ones; a task that generates free text
+(text_generation) gives the [N] generated strings.
 
 Multi-host: every host passes all dev rows; each feeds its own slice of each batch
 (as the training loader does) and every host gets all predictions back.
@@ -64,14 +65,17 @@ class Predictor:
         return model.predict(params, batch)
     self._predict = jax.jit(predict)
 
-  def _generate_labels(self, params, batch) -> np.ndarray:
+  def _generate_texts(self, params, batch, max_new_tokens: int) -> list[str]:
     decoded = infer.generate(self.model.seq2seq, params["backbone"],
                              {"encoder_input_tokens": batch["encoder_input_tokens"]},
-                             max_new_tokens=self.model.label_targets.shape[1], mesh=self.mesh,
+                             max_new_tokens=max_new_tokens, mesh=self.mesh,
                              rules=self.rules, eos_id=self.tokenizer.eos_id, pad_id=0)
+    return [self.tokenizer.vocab.decode(_before_eos(row, self.tokenizer.eos_id)).strip()
+            for row in np.asarray(_everywhere(decoded.tokens))]
+
+  def _generate_labels(self, params, batch) -> np.ndarray:
     lookup = {name: k for k, name in enumerate(self.label_names)}
-    texts = [self.tokenizer.vocab.decode(_before_eos(row, self.tokenizer.eos_id)).strip()
-             for row in np.asarray(_everywhere(decoded.tokens))]
+    texts = self._generate_texts(params, batch, self.model.label_targets.shape[1])
     return np.array([lookup.get(t, -1) for t in texts], np.int32)
 
   def __call__(self, params, features: dict[str, np.ndarray]):
@@ -81,6 +85,10 @@ class Predictor:
     outputs = []
     for rows, batch in _host_batches(inputs, self.batch_size):
       batch = parallel.shard_batch(batch, self.mesh, self.rules)
+      if self.model.generates_text:  # free text: [N] strings
+        outputs.append(np.array(self._generate_texts(params, batch, task.target_length),
+                                object)[:rows])
+        continue
       out = _everywhere(self._predict(params, batch))
       if self.model.text_to_text:
         out = {"generated": self._generate_labels(params, batch), "ranked": out}
@@ -99,7 +107,7 @@ def dev_metrics(model, predictions: Any, features: dict[str, np.ndarray],
                 dataset: Dataset) -> dict[str, float]:
   """The task's dev metrics of `predictions` (text to text: generated, then rank_*)."""
   task = model.task
-  if model.text_to_text:
+  if model.text_to_text and not model.generates_text:
     return {**task.metrics(predictions["generated"], features, dataset),
             **{f"rank_{k}": v for k, v in task.metrics(predictions["ranked"], features,
                                                        dataset).items()}}
@@ -113,7 +121,7 @@ def prediction_rows(model, predictions: Any, dataset: Dataset,
   task, rows = model.task, []
   for k, example in enumerate(dataset.examples):
     row = {"line": example.line}
-    if model.text_to_text:
+    if model.text_to_text and not model.generates_text:
       row.update(task.prediction_row(k, example, predictions["generated"], features, dataset))
       row["ranked"] = task.prediction_row(k, example, predictions["ranked"], features,
                                           dataset)["prediction"]

@@ -26,11 +26,11 @@ from t5x_like.errors import UserError
 from t5x_like.experiment import build_mesh
 from t5x_like.finetune.backbone import load_backbone
 from t5x_like.finetune.config_check import validate_finetune
-from t5x_like.finetune.data import read_examples
 from t5x_like.finetune.encoding import EncodedRows, encode_examples
 from t5x_like.finetune.evaluate import Predictor, dev_metrics, prediction_rows
 from t5x_like.finetune.model import FinetuneModel
-from t5x_like.finetune.tasks import task_from_config
+from t5x_like.finetune.splits import load_splits, run_task
+from t5x_like.finetune.submission import benchmark_outputs
 from t5x_like.models import model_class
 from t5x_like.train.optimizers import make_optimizer
 from t5x_like.train.preemption import RunResult
@@ -56,7 +56,6 @@ def finetune(config: ml_collections.ConfigDict, workdir, *,
   leaves the workdir as it was. lock: the workdir's lock when the caller holds it (the
   finetune command takes it before building anything); None takes it here."""
   validate_finetune(config, jax.device_count())  # the train checks on its schema
-  task = task_from_config(config.task)
   tc = config.train
   with open_run(workdir, total_steps=tc.num_steps, keep=2, async_save=False,
                 lock=lock) as run:
@@ -64,10 +63,12 @@ def finetune(config: ml_collections.ConfigDict, workdir, *,
     # ---------------------------------------------------------- backbone, data, mesh
     backbone = load_backbone(config)
     family = backbone.model_config.family
-    train_set = read_examples(config.task.train_file, task)
-    dev_set = read_examples(config.task.dev_file, task, labels=train_set.labels)
+    text_to_text = model_class(backbone.model_config).finetunes_text_to_text
+    task = run_task(config, text_to_text)
+    splits = load_splits(config, task, text_to_text)
+    train_set, dev_set = splits.train, splits.main_dev
     targets = None
-    if model_class(backbone.model_config).finetunes_text_to_text:
+    if text_to_text and task.uses_label_list:
       try:
         targets = task.label_targets(backbone.tokenizer, train_set.labels)
       except ValueError as e:
@@ -78,6 +79,11 @@ def finetune(config: ml_collections.ConfigDict, workdir, *,
                                                     task, **encode_kw)
       dev_features, dev_stats = encode_examples(dev_set.examples, backbone.tokenizer, task,
                                                 **encode_kw)
+      extra_features = {  # the other dev splits and the test splits (benchmarks)
+          (kind, name): encode_examples(dataset.examples, backbone.tokenizer, task,
+                                        **encode_kw)[0]
+          for kind, group in (("dev", splits.dev), ("test", splits.test))
+          for name, dataset in group.items() if dataset is not dev_set}
       model = FinetuneModel(backbone.model_config, task, num_labels=len(train_set.labels),
                             label_targets=targets)
     except ValueError as e:
@@ -115,7 +121,7 @@ def finetune(config: ml_collections.ConfigDict, workdir, *,
     last = {}
 
     def evaluate(state, step: int) -> dict:
-      last["predictions"] = predictor(state.params, dev_features)
+      last["predictions"], last["params"] = predictor(state.params, dev_features), state.params
       result = dev_metrics(model, last["predictions"], dev_features, dev_set)
       run.writer.log(f"step {step}: dev "
                      + ", ".join(f"{k}={v:.4f}" for k, v in result.items()))
@@ -147,6 +153,14 @@ def finetune(config: ml_collections.ConfigDict, workdir, *,
     final = dict(dev, step=step, train_examples=len(train_set.examples),
                  dev_examples=len(dev_set.examples), backbone=backbone.source,
                  seconds=round(time.perf_counter() - started, 1))
+    if splits.benchmark is not None:  # every process predicts; process 0 writes
+      final.update(benchmark_outputs(
+          splits, model, run.workdir, dev_rows=prediction_rows(
+              model, last["predictions"], dev_set, dev_features),
+          predict=lambda key, dataset: prediction_rows(
+              model, predictor(last["params"], extra_features[key]), dataset,
+              extra_features[key])))
+      run.writer.log("official metrics: " + json.dumps(final["official"]))
     if jax.process_index() == 0:
       rows = prediction_rows(model, last["predictions"], dev_set, dev_features)
       fs.write_bytes(os.path.join(run.workdir, "dev_predictions.jsonl"),

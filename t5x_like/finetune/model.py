@@ -98,7 +98,9 @@ class FinetuneModel(Model):
       raise ValueError(f"task={task.name!r} does not fine-tune the {config.family!r} family"
                        f" (it supports {', '.join(task.families)})")
     self.text_to_text = family.finetunes_text_to_text
-    if self.text_to_text:
+    # A task that generates free text (e.g. SQuAD's answers) has no label list to rank.
+    self.generates_text = self.text_to_text and task.generates_text
+    if self.text_to_text and not self.generates_text:
       if label_targets is None:
         raise ValueError("text-to-text fine-tuning needs label_targets [C, T] (the task's"
                          " label_targets)")

@@ -104,6 +104,7 @@ class Task(abc.ABC):
   name: ClassVar[str] = ""
   families: ClassVar[tuple[str, ...]] = ("encoder",)  # backbone families it encodes for
   uses_label_list: ClassVar[bool] = True  # labels are names mapped to indices
+  generates_text: ClassVar[bool] = False  # text to text with free-text targets
   label_features: ClassVar[tuple[str, ...]] = ("labels",)  # targets, not model inputs
   host_features: ClassVar[tuple[str, ...]] = ()  # evaluation only: kept out of training
   encode_flag: ClassVar[str] = "truncated"  # the stat `encode`'s flag counts

@@ -1,0 +1,18 @@
+"""SuperGLUE (Wang et al. 2019) from TFDS: the tasks the fine-tuning task types cover.
+
+  tfds build super_glue/boolq --data_dir ~/tensorflow_datasets --file_format array_record
+  t5x-like finetune --config configs/superglue.py:boolq --workdir workdir/sg_boolq \\
+      --config.init.checkpoint=workdir/bert_base
+
+Tasks: boolq cb copa rte wic (COPA as a pair classification: which choice is the
+premise's cause or effect); family=t5 for T5 text to text. MultiRC, ReCoRD and WSC need
+task types not written yet (t5x_like/finetune/benchmark_configs.py has the arguments).
+"""
+
+import os
+
+from t5x_like.finetune.benchmark_configs import benchmark_config
+
+
+def get_config(arg: str = "boolq"):
+  return benchmark_config("super_glue", arg, os.path.dirname(os.path.abspath(__file__)))

@@ -1,0 +1,82 @@
+"""Fine-tuning configs of the benchmarks (configs/glue.py, superglue.py, squad.py).
+
+  get_config("cola")               BERT-base (configs/bert_pretrain.py) on glue/cola
+  get_config("mnli,family=t5")     T5 v1.1 base (configs/t5_pretrain.py), text to text
+  get_config("rte,smoke")          the small CPU models (bert_cpu / t5_cpu :smoke), 4 steps
+                                   on 64 training examples: tests and the tour
+
+Arguments (big_vision style, t5x_like.train.defaults.parse_arg): the task (a TFDS config
+of the suite), family=bert|t5, smoke, epochs, data_dir (TFDS's data dir). Point
+init.checkpoint at a pretraining run of the same config (`--init` of finetune-suite).
+
+The recipes: BERT's (Devlin et al. 2019, section 4): batch 32, 3 epochs, AdamW with a
+learning rate of 2e-5 (3e-5 for SQuAD), 10% linear warmup, sequences of 128 tokens (384
+for SQuAD, question cut to 64); T5's fine-tuning (Raffel et al. 2020) uses a constant
+1e-3 with Adafactor at batch 128: here AdamW 1e-4 at batch 32, linear decay.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import ml_collections
+
+from t5x_like.finetune.benchmarks import SUITES, benchmark
+from t5x_like.finetune.defaults import default_finetune_config
+from t5x_like.train.defaults import parse_arg
+
+# Training examples per task (the TFDS catalog), for the number of steps of N epochs.
+TRAIN_EXAMPLES = {
+    "glue/cola": 8551, "glue/sst2": 67349, "glue/mrpc": 3668, "glue/qqp": 363846,
+    "glue/stsb": 5749, "glue/mnli": 392702, "glue/qnli": 104743, "glue/rte": 2490,
+    "glue/wnli": 635, "super_glue/boolq": 9427, "super_glue/cb": 250, "super_glue/copa": 400,
+    "super_glue/rte": 2500, "super_glue/wic": 5428, "squad/v1.1": 87599, "squad/v2.0": 130319}
+
+_BACKBONES = {"bert": ("bert_pretrain.py:base", "bert_cpu.py:smoke"),
+              "t5": ("t5_pretrain.py:base", "t5_cpu.py:smoke")}
+
+
+def benchmark_config(suite: str, arg: str, configs_dir: str) -> ml_collections.ConfigDict:
+  """The config of one task of `suite` (see the module docstring); configs_dir: where the
+  pretraining configs are (the calling config file's directory)."""
+  where = f"configs/{ {'super_glue': 'superglue'}.get(suite, suite)}.py"
+  a = parse_arg(arg, task=SUITES[suite][0], family="bert", smoke=False, epochs=3.0,
+                data_dir="")
+  a.task = {"v1": "v1.1", "v2": "v2.0"}.get(a.task, a.task) if suite == "squad" else a.task
+  if a.task not in SUITES[suite]:
+    raise ValueError(f"{where}: unknown task {a.task!r}; known: {', '.join(SUITES[suite])}")
+  if a.family not in _BACKBONES:
+    raise ValueError(f"{where}: family={a.family!r}: expected bert or t5")
+  bench = benchmark(f"{suite}/{a.task}")
+  span = bench.kind == "span"
+  c = default_finetune_config()
+  c.benchmark.name = bench.tfds_name
+  c.benchmark.data_dir = a.data_dir
+  c.init.config = os.path.join(configs_dir, _BACKBONES[a.family][a.smoke])
+  c.task.max_length = 384 if span else 128
+  c.task.max_question_length = 64
+  c.task.target_length = 32 if span else 8  # T5: answers / label strings + eos
+  c.train.batch_size = 32
+  c.train.num_steps = max(1, math.ceil(a.epochs * TRAIN_EXAMPLES[bench.tfds_name] / 32))
+  c.train.log_every = 50
+  c.train.eval_every = 0  # dev metrics at the end
+  c.train.checkpoint_every = 1000
+  c.optimizer.name = "adamw"
+  c.optimizer.schedule = "linear"
+  c.optimizer.learning_rate = 1e-4 if a.family == "t5" else (3e-5 if span else 2e-5)
+  c.optimizer.warmup_steps = max(1, c.train.num_steps // 10)
+  c.optimizer.weight_decay = 0.01
+  if a.smoke:  # the CPU models: 64 positions; a handful of steps on a few examples
+    c.task.max_length = 64
+    c.task.max_question_length = 16
+    c.task.target_length = 8
+    c.benchmark.max_train_examples = 64
+    c.benchmark.max_eval_examples = 16
+    c.train.batch_size = 8
+    c.train.num_steps = 4
+    c.train.log_every = 2
+    c.train.checkpoint_every = 0
+    c.optimizer.warmup_steps = 1
+    c.optimizer.learning_rate = 1e-3
+  return c
