@@ -38,6 +38,9 @@ COMMANDS = {
               " model, JSONL in and out: --config FILE --checkpoint DIR --input FILE.jsonl"),
     "finetune": ("t5x_like.commands.finetune", "fine-tune a pretrained (or random) backbone on a"
                  " CSV / JSONL task: --config FILE[:ARG] --workdir DIR"),
+    "finetune-suite": ("t5x_like.commands.finetune_suite", "fine-tune every task of a"
+                       " benchmark (GLUE, SuperGLUE, SQuAD) in turn, resumably; one table:"
+                       " --config configs/glue.py --workdir DIR [--init CHECKPOINT]"),
     "models": ("t5x_like.commands.models", "print every preset with its parameter count (from"
                " shapes, nothing allocated): [NAME ...]"),
     "vocab": ("t5x_like.commands.vocab", "train, inspect and use sentencepiece vocabularies:"
