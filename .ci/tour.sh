@@ -15,7 +15,7 @@ out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 
 step "every command answers --help"
-for cmd in train plan infer finetune models vocab "vocab train" task "task books" bench \
+for cmd in train plan infer finetune finetune-suite models vocab "vocab train" task "task books" bench \
            "bench data" "bench model" "bench compile" "bench peer" "bench bert-vs-torch" \
            "bench attention" "data prepare"; do
   # shellcheck disable=SC2086
@@ -84,6 +84,18 @@ code=$?
 set -e
 test "$code" = 2 || { echo "tour: prepare into a full folder: expected exit 2, got $code"; exit 1; }
 expect "$out" "not empty"
+
+step "GLUE on tfds.testing.mock_data (docs/benchmark-tasks.md; with data: tfds build glue/sst2 ...)"
+.venv/bin/python - > "$out" <<'PY'
+import sys
+import tensorflow_datasets as tfds
+import tensorflow_datasets.text.glue  # noqa: F401  (GLUE's builder: the real features)
+from t5x_like.commands.finetune import main
+with tfds.testing.mock_data(num_examples=64):
+  sys.exit(main(["--config=configs/glue.py:sst2,smoke", "--workdir=workdir/glue_sst2_mock"]))
+PY
+expect "$out" '"official": {"accuracy"'
+test -s workdir/glue_sst2_mock/submission/SST-2.tsv
 
 step "plan, models, vocab"
 $T plan --config configs/bert_pretrain.py:base --topology v3-32 | tee "$out"
