@@ -5,7 +5,8 @@ Datasets are built here in array_record with the real datasets' features
 (tests/tfds_fixtures.py), or mocked by tfds.testing.mock_data from those features;
 nothing is downloaded. Expected metrics come from scikit-learn / scipy and from the
 GLUE / SuperGLUE / SQuAD file formats written out by hand, never from the code under
-test. The default tier runs one task per kind and family; the slow tier every config.
+test. The default tier runs one task per kind and family; the slow tier every config,
+and the CLI's suite and bad-input cases.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from scipy import stats
 from sklearn import metrics as sk
 
 from helpers import ROOT, cli_command, load_config, run_child
-from tfds_fixtures import build_benchmark
+from tfds_fixtures import build_benchmark, example
 from t5x_like.finetune.benchmarks import BENCHMARKS, SUITES, benchmark
 
 SIZES = {"train": 24, "validation": 8, "test": 8}
@@ -121,11 +122,11 @@ def test_every_benchmark_config_end_to_end(name, family, data_dir, tmp_path):
 def _mock(data_dir, name):
   """tfds.testing.mock_data: random examples from the dataset's features (its metadata
   under data_dir); SQuAD's random answers are not in their contexts, so its mock
-  examples come from the local build instead (as_data_source_fn)."""
+  examples are tfds_fixtures' (as_data_source_fn)."""
   if name.startswith("squad/"):
-    def source(builder, split, **unused):
-      real = tfds.data_source(name, split=split, data_dir=data_dir)
-      return [real[k] for k in range(len(real))]
+    def source(builder, split, *unused_args, **unused_kwargs):  # as tfds_fixtures builds
+      rng = np.random.default_rng(len(split))
+      return [example(name, k, True, rng) for k in range(8)]
     return tfds.testing.mock_data(num_examples=8, as_data_source_fn=source,
                                   policy=tfds.testing.MockPolicy.USE_FILES, data_dir=data_dir)
   return tfds.testing.mock_data(num_examples=8, policy=tfds.testing.MockPolicy.USE_FILES,
@@ -249,6 +250,7 @@ def test_t5_inputs_are_the_t5_papers_format():
 
 
 # ------------------------------------------------------------------ the suite
+@pytest.mark.slow  # two CLI runs of two tasks each: ~35 s
 def test_finetune_suite_prints_one_table_and_resumes(data_dir, tmp_path):
   cmd = cli_command("finetune-suite", f"--config={ROOT}/configs/glue.py:smoke",
                     f"--workdir={tmp_path}", "--tasks=rte,stsb",
@@ -268,6 +270,7 @@ def test_finetune_suite_prints_one_table_and_resumes(data_dir, tmp_path):
 
 
 # ------------------------------------------------------------------ bad input
+@pytest.mark.slow  # five CLI processes: ~35 s
 def test_bad_benchmark_input_is_one_line_exit_2_and_writes_nothing(data_dir, tmp_path):
   missing_label = str(tmp_path / "broken")
   build_benchmark(missing_label, "glue/rte", SIZES, drop="label")
