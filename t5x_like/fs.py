@@ -91,6 +91,16 @@ def read_bytes(path: PathLike) -> bytes:
   return fsspec_filesystem(path).cat_file(os.fspath(path))
 
 
+def exists(path: PathLike) -> bool:
+  """Whether the file is there, by reading it afresh (no listing cache: a URL's
+  listing may lag a write); for small files such as a run's final_metrics.json."""
+  try:
+    read_bytes(path)
+    return True
+  except FileNotFoundError:
+    return False
+
+
 def write_bytes(path: PathLike, data: bytes) -> None:
   """Replaces the file with `data` atomically: a reader sees the old or the new bytes."""
   text = os.fspath(path)

@@ -65,14 +65,6 @@ def _lock_path(workdir: str) -> str:
   return f"{workdir}/{LOCK_NAME}"
 
 
-def _exists(path: str) -> bool:
-  try:
-    fs.read_bytes(path)
-    return True
-  except FileNotFoundError:
-    return False
-
-
 def _contender(workdir, *, hold=False, go="-", heartbeat=0.2, stale=30.0):
   return subprocess.Popen(
       [sys.executable, "-c", CONTENDER, workdir, str(heartbeat), str(stale),
@@ -99,7 +91,7 @@ def test_second_process_is_refused_at_once_naming_the_holder(workdir):
   assert workdir in message and "started 20" in message and "--workdir" in message
   holder.stdin.close()
   assert holder.wait(timeout=30) == 0
-  assert not _exists(_lock_path(workdir))  # released: nothing looks held
+  assert not fs.exists(_lock_path(workdir))  # released: nothing looks held
   third = _contender(workdir)  # release, then a new process acquires
   out = _outcome(third)
   assert out["acquired"] and out["previous"] is None  # a clean release leaves nothing
@@ -111,13 +103,13 @@ def test_lock_of_a_killed_holder_is_taken_over(workdir):
   assert _outcome(holder)["acquired"]
   holder.send_signal(signal.SIGKILL)
   holder.wait(timeout=30)
-  assert _exists(_lock_path(workdir))  # left behind by kill -9
+  assert fs.exists(_lock_path(workdir))  # left behind by kill -9
   successor = _contender(workdir, stale=600)
   out = _outcome(successor)
   assert out["acquired"] and out["previous"]["pid"] == holder.pid
   assert out["seconds"] < 3.0
   assert successor.wait(timeout=30) == 0
-  assert not _exists(_lock_path(workdir))
+  assert not fs.exists(_lock_path(workdir))
 
 
 @pytest.mark.parametrize("stale_lock", [False, True])
@@ -154,14 +146,14 @@ def test_racing_processes_exactly_one_wins(workdir, tmp_path, stale_lock):
 def test_release_reacquire_and_release_on_exception(workdir):
   lock = WorkdirLock(workdir)
   with lock:
-    assert lock.held and _exists(_lock_path(workdir))
+    assert lock.held and fs.exists(_lock_path(workdir))
     with pytest.raises(WorkdirLockedError):
       WorkdirLock(workdir).acquire()  # another holder in this very process, too
-  assert not lock.held and not _exists(_lock_path(workdir))
+  assert not lock.held and not fs.exists(_lock_path(workdir))
   with pytest.raises(RuntimeError, match="boom"):
     with WorkdirLock(workdir):
       raise RuntimeError("boom")
-  assert not _exists(_lock_path(workdir))
+  assert not fs.exists(_lock_path(workdir))
   with WorkdirLock(workdir) as again:  # re-acquire after release
     assert again.held and again.previous is None
   assert issubclass(WorkdirLockedError, UserError)
@@ -170,7 +162,7 @@ def test_release_reacquire_and_release_on_exception(workdir):
 def test_disabled_lock_does_nothing(workdir):
   with WorkdirLock(workdir, enabled=False) as lock:
     assert not lock.held
-    assert not _exists(_lock_path(workdir))
+    assert not fs.exists(_lock_path(workdir))
     with WorkdirLock(workdir):  # process 0 of the same run takes it
       pass
 
@@ -221,7 +213,7 @@ def test_fresh_lock_of_another_machine_is_refused_with_its_heartbeat(gcs):
   fs.write_bytes(_lock_path(workdir), json.dumps(holder).encode())
   with WorkdirLock(workdir, stale_seconds=90) as lock:
     assert lock.previous["pid"] == 4242
-  assert not _exists(_lock_path(workdir))
+  assert not fs.exists(_lock_path(workdir))
 
 
 def test_local_filesystem_without_flock_uses_the_object_protocol(tmp_path, monkeypatch):
@@ -343,7 +335,7 @@ def test_train_on_a_gs_workdir_resumes_and_a_second_trainer_is_refused(gcs, tmp_
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 300
-  while not _exists(_lock_path(workdir)):
+  while not fs.exists(_lock_path(workdir)):
     assert second.poll() is None and time.time() < deadline, second.stderr.read()[-4000:]
     time.sleep(0.1)
   refused = subprocess.run(_cli(workdir, "--config.train.num_steps=20"),

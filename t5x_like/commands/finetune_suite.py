@@ -82,7 +82,7 @@ def _suite(fv: flags.FlagValues, argv: list[str]) -> int:
   for task in tasks:
     workdir = os.path.join(fv.workdir, task)
     done = os.path.join(workdir, "final_metrics.json")
-    if not _exists(done):
+    if not fs.exists(done):
       print(f"=== {suite}/{task}: {workdir}", flush=True)
       task_fv = parse_flags("finetune", task_argv(argv, config_spec, task, workdir, fv.init),
                             finetune_command._flags, required=("config", "workdir"))
@@ -99,14 +99,6 @@ def _suite(fv: flags.FlagValues, argv: list[str]) -> int:
   print(_table(summary), flush=True)
   fs.write_bytes(os.path.join(fv.workdir, "suite.json"), json.dumps(summary, indent=1).encode())
   return 0
-
-
-def _exists(path: str) -> bool:
-  try:
-    fs.read_bytes(path)
-    return True
-  except FileNotFoundError:
-    return False
 
 
 def _table(summary: dict) -> str:
