@@ -113,6 +113,20 @@ def _rate(spec: str, rate) -> float | str:
   return value
 
 
+def describe_data(data) -> dict:
+  """config.data's sources as plan and bench report them, read from the config only:
+  {"source": SPEC} or {"mixture": {name: {"spec", "rate"}}, "exhausted": ...}, each rate
+  normalised, or "size" (resolved when the data is read)."""
+  if not data.get("mixture", ""):
+    return {"source": data.source}
+  entries = parse_mixture(data.mixture)
+  total = sum(r for _, r in entries if r != SIZE)
+  return {"mixture": {name: {"spec": spec, "rate": r if r == SIZE else round(r / total, 6)}
+                      for name, (spec, r) in zip(source_names([s for s, _ in entries]),
+                                                 entries)},
+          "exhausted": data.get("mixture_exhausted", "restart")}
+
+
 def source_names(specs: Sequence[str]) -> list[str]:
   """Short unique names of specs for metric keys: a path's last folder or file stem,
   a TFDS dataset's name ('prepared:gs://b/wiki' -> 'wiki', 'text:books/*.txt' ->

@@ -187,7 +187,7 @@ def _check_data(config, model_cfg: ModelConfig) -> None:
   if model_cfg.family != family:
     raise ConfigError(f"data.objective={d.objective!r} trains a {family!r} model, but"
                       f" model.preset={config.model.preset!r} is {model_cfg.family!r}")
-  _check_sources(d)
+  check_data_sources(d)
   lengths = [("data.length", d.length)] + [
       (f"train.phases[{i}].length", dict(p).get("length", d.length))
       for i, p in enumerate(config.train.phases or ())]
@@ -224,7 +224,7 @@ def _check_data(config, model_cfg: ModelConfig) -> None:
 SOURCE_SCHEMES = ("embedded", "text", "jsonl", "tfds", "prepared")
 
 
-def _check_sources(d) -> None:
+def check_data_sources(d) -> None:
   """data.source, or data.mixture's specs, rates and exhaustion (data/mixture.py)."""
   mixture = d.get("mixture", "")
   _choice("data.mixture_exhausted", d.get("mixture_exhausted", "restart"), EXHAUSTED)
