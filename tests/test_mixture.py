@@ -5,18 +5,16 @@ Reference numbers come from counting what the examples say about themselves (a f
 objective whose rows carry their source, epoch and index) and from binomial sigmas,
 never from the mixture's own tables."""
 
-import json
 import math
 import os
 import signal
-import socket
 import subprocess
 
 import numpy as np
 import pytest
 
 from t5x_like import cli
-from t5x_like.data.loader import BatchPlan, make_loader
+from t5x_like.data.loader import make_loader
 from t5x_like.data.mixture import (BLOCK, Mixture, MixtureError, MixtureSource,
                                    exhaustion_step, parse_mixture, source_names)
 from t5x_like.data.objective import Objective
@@ -25,7 +23,8 @@ from t5x_like.data.tokenize import build_store
 from t5x_like.data.vocab import default_vocab
 from t5x_like.experiment import build_data
 from helpers import (ROOT, child_env, committed_checkpoints, jsonl_rows, load_config, losses,
-                     run_child, train_command, wait_for_step)
+                     run_child, train_command, train_two_processes,
+                     wait_for_step)
 
 AUSTEN = "embedded:austen_pride_and_prejudice"
 WELLS = "embedded:wells_the_time_machine"
@@ -278,12 +277,6 @@ def test_a_stopped_mixture_run_rerun_ends_at_the_same_step(tmp_path):
   assert restart.returncode == 0 and max(losses(str(tmp_path / "restart"))) == 40
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_of_a_mixture_match_one(tmp_path):
   flags = (*MIX, "--config.train.num_steps=6")
@@ -291,15 +284,8 @@ def test_two_processes_of_a_mixture_match_one(tmp_path):
   done = run_child(train_command("bert_cpu.py:smoke", single, *flags))
   assert done.returncode == 0, done.stderr[-3000:]
   multi = str(tmp_path / "multi")
-  port = _free_port()
-  procs = [subprocess.Popen(
-      train_command("bert_cpu.py:smoke", multi, *flags, f"--coordinator_address=localhost:{port}",
-                    "--num_processes=2", f"--process_id={i}"),
-      env=child_env(devices=4), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-      text=True) for i in range(2)]
-  outputs = [p.communicate(timeout=600)[0] for p in procs]
-  for p, out in zip(procs, outputs):
-    assert p.returncode == 0, out[-3000:]
+  for code, out in train_two_processes("bert_cpu.py:smoke", multi, *flags):
+    assert code == 0, out[-3000:]
   expected, got = losses(single), losses(multi)
   assert sorted(got) == sorted(expected) == list(range(1, 7))
   np.testing.assert_allclose([got[s] for s in range(1, 7)],
