@@ -18,6 +18,8 @@ from typing import Optional
 
 import ml_collections
 
+from t5x_like.data.mixture import (SIZE, Mixture, MixtureError, MixtureSource,
+                                   parse_mixture, source_names, source_seed)
 from t5x_like.data.pipeline import OBJECTIVES, make_objective
 from t5x_like.data.prepared import describe, is_prepared_spec, open_prepared, prepared_path
 from t5x_like.data.sources import source_from_spec
@@ -121,7 +123,8 @@ def build_data(config, workdir: str):
   """(vocab, train objective, eval objective, data stats) from config.data; the token
   cache goes to data.cache_dir, else <workdir>/data_cache. A `prepared:DIR` source is
   read in place (data/prepared.py): its train split, and its held-out split unless
-  data.eval_source is set."""
+  data.eval_source is set. With data.mixture, both objectives are data/mixture.py's
+  Mixture of one objective per source (each source's held-out split for eval)."""
   data = config.data
   vocab = config_vocab(config)
   cache_dir = data.cache_dir or os.path.join(workdir, "data_cache")
@@ -135,34 +138,73 @@ def build_data(config, workdir: str):
       return store, describe(manifest)
     return build_store(source_from_spec(spec), vocab, cache_dir=cache_dir)
 
-  if is_prepared_spec(data.source):
-    fraction = None if data.eval_source else data.eval_fraction
-    train_store, stats = store_of(data.source, "train", fraction)
-    if data.eval_source:
-      eval_store, _ = store_of(data.eval_source, "train")
-    else:
-      eval_store, _ = store_of(f"prepared:{prepared_path(data.source)[0]}#held_out",
-                               "held_out")
-  else:
-    store, stats = store_of(data.source, "train")
-    if data.eval_source:
-      train_store = store
-      eval_store, _ = store_of(data.eval_source, "train")
-    else:
-      train_store, eval_store = split_held_out(store, data.eval_fraction,
-                                               stats.get("source_documents"))
+  def stores_of(spec: str, eval_source: str):
+    """(train store, eval store, stats) of source `spec`."""
+    if is_prepared_spec(spec):
+      train_store, stats = store_of(spec, "train", None if eval_source else data.eval_fraction)
+      eval_store, _ = (store_of(eval_source, "train") if eval_source else
+                       store_of(f"prepared:{prepared_path(spec)[0]}#held_out", "held_out"))
+      return train_store, eval_store, stats
+    store, stats = store_of(spec, "train")
+    if eval_source:
+      return store, store_of(eval_source, "train")[0], stats
+    return (*split_held_out(store, data.eval_fraction, stats.get("source_documents")), stats)
+
+  if data.get("mixture", ""):
+    return (vocab, *_mixture_data(config, vocab, stores_of))
+  train_store, eval_store, stats = stores_of(data.source, data.eval_source)
   train = build_objective(config, train_store, vocab, seed=config.seed)
   evaluation = build_objective(config, eval_store, vocab, seed=config.seed + 1)
   held_out = (f"data.eval_source={data.eval_source!r}" if data.eval_source else
               f"the held-out data.eval_fraction={data.eval_fraction} of"
               f" data.source={data.source!r}")
-  for where, objective in ((f"data.source={data.source!r}", train), (held_out, evaluation)):
+  _require_examples(config, ((f"data.source={data.source!r}", train),
+                             (held_out, evaluation)), stats)
+  return vocab, train, evaluation, stats
+
+
+def _require_examples(config, objectives, stats: dict) -> None:
+  """UserError unless each (where, objective) has an example in epoch 0."""
+  data = config.data
+  for where, objective in objectives:
     if objective.num_examples(0) <= 0:  # else the loader fails at its first batch
       raise UserError(f"{where}: too little text for one {data.objective} example of"
                       f" data.length={data.length} ({stats.get('tokens', 0):,} tokens in"
                       f" {stats.get('documents', 0)} documents in all); give it more text"
                       f" or a shorter data.length")
-  return vocab, train, evaluation, stats
+
+
+def _mixture_data(config, vocab, stores_of):
+  """(train Mixture, eval Mixture, stats) of config.data.mixture (data/mixture.py):
+  each source's train and held-out stores, rates given or by training tokens."""
+  entries = parse_mixture(config.data.mixture)
+  names = source_names([spec for spec, _ in entries])
+  stores = []
+  for spec, _ in entries:
+    try:
+      stores.append(stores_of(spec, ""))
+    except UserError as e:
+      raise MixtureError(f"data.mixture[{spec!r}]: {e}") from None
+  weights = [train.num_tokens if rate == SIZE else rate
+             for (_, rate), (train, _, _) in zip(entries, stores)]
+  rates = [w / sum(weights) for w in weights]
+  mixtures, stats = [], {"mixture": {}, "source": {}}
+  for split, seed in ((0, config.seed), (1, config.seed + 1)):
+    sources = []
+    for i, ((spec, _), name, rate, store) in enumerate(zip(entries, names, rates, stores)):
+      objective = build_objective(config, store[split], vocab, seed=source_seed(seed, i))
+      where = (f"data.mixture[{spec!r}]" if split == 0 else
+               f"the held-out data.eval_fraction={config.data.eval_fraction} of"
+               f" data.mixture[{spec!r}]")
+      _require_examples(config, [(where, objective)], store[2])
+      sources.append(MixtureSource(name, spec, objective, rate))
+    mixtures.append(Mixture(sources, seed=seed))
+  for name, spec, rate, (train, _, source_stats) in zip(names, [s for s, _ in entries],
+                                                        rates, stores):
+    stats["mixture"][name] = {"spec": spec, "rate": round(rate, 6), "tokens": train.num_tokens,
+                              "documents": train.num_docs}
+    stats["source"][name] = source_stats.get("source", {})
+  return mixtures[0], mixtures[1], stats
 
 
 def global_batch_shapes(objective, batch_size: int) -> dict[str, tuple]:

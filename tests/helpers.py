@@ -90,3 +90,24 @@ def wait_for_step(workdir: str, proc: subprocess.Popen, step: int, timeout: floa
       return
     time.sleep(0.05)
   raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+def free_port() -> int:
+  """A free local TCP port (for a jax.distributed coordinator)."""
+  import socket
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def train_two_processes(config: str, workdir: str, *extra: str) -> list[tuple[int, str]]:
+  """`t5x-like train` as 2 processes of 4 fake devices each (one coordinator on a free
+  port), run to their end: [(exit status, stdout + stderr)] of each."""
+  port = free_port()
+  procs = [subprocess.Popen(
+      train_command(config, workdir, *extra, f"--coordinator_address=localhost:{port}",
+                    "--num_processes=2", f"--process_id={i}"),
+      env=child_env(devices=4), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      text=True) for i in range(2)]
+  outputs = [p.communicate(timeout=600)[0] for p in procs]
+  return [(p.returncode, out) for p, out in zip(procs, outputs)]

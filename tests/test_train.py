@@ -15,7 +15,7 @@ from t5x_like.errors import NonFiniteLossError
 from t5x_like.models.attention_kernels import PALLAS_INTERPRET_ENV
 from t5x_like.train import loop
 from t5x_like.train.metrics import read_jsonl
-from helpers import ROOT, load_config
+from helpers import ROOT, load_config, train_two_processes
 
 CONFIGS = os.path.join(ROOT, "configs")
 
@@ -291,16 +291,8 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path):
   assert done.returncode == 0, done.stderr[-3000:]
 
   multi = str(tmp_path / "multi")
-  port = _free_port()
-  procs = [subprocess.Popen(
-      _train_command("bert_cpu.py:smoke", multi, "--config.train.num_steps=6",
-                     f"--coordinator_address=localhost:{port}", "--num_processes=2",
-                     f"--process_id={i}"),
-      env=_env(devices=4), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-      text=True) for i in range(2)]
-  outputs = [p.communicate(timeout=600)[0] for p in procs]
-  for p, out in zip(procs, outputs):
-    assert p.returncode == 0, out[-3000:]
+  for code, out in train_two_processes("bert_cpu.py:smoke", multi, "--config.train.num_steps=6"):
+    assert code == 0, out[-3000:]
   expected, got = _losses(single), _losses(multi)
   assert sorted(got) == sorted(expected) == list(range(1, 7))
   np.testing.assert_allclose([got[s] for s in range(1, 7)],

@@ -105,6 +105,8 @@ def _data_flags(argv: list[str]) -> flags.FlagValues:
   flags.DEFINE_integer("batch", 64, "batch size", flag_values=fv)
   flags.DEFINE_integer("steps", 30, "batches per timed run", flag_values=fv)
   flags.DEFINE_integer("repeats", 5, "timed runs (median reported)", flag_values=fv)
+  flags.DEFINE_string("mixture", "", "bench over a data.mixture ('SPEC=RATE,...', as"
+                      " --config.data.mixture) instead of the embedded corpus", flag_values=fv)
   flags.DEFINE_bool("prepared", False, "bench prepared corpora (bench/prepared.py) instead",
                     flag_values=fv)
   flags.DEFINE_list("sizes", ["50", "2000"], "--prepared: synthetic corpus sizes in MB",
@@ -136,7 +138,8 @@ def _bench_data(argv: list[str]) -> int:
     return 0
   from t5x_like.bench.data import bench_objective
   print(json.dumps(bench_objective(fv.objective, length=fv.length, batch_size=fv.batch,
-                                   steps=fv.steps, repeats=fv.repeats), indent=1))
+                                   steps=fv.steps, repeats=fv.repeats,
+                                   mixture=fv.mixture), indent=1))
   return 0
 
 

@@ -47,6 +47,10 @@ def main(argv: list[str]) -> int:
   if not fv.out:
     raise UserError("data prepare: give --out DIR (local or gs://)")
   config = fv.config
+  if config.data.get("mixture", ""):
+    raise UserError(f"data.mixture={config.data.mixture!r}: `data prepare` prepares one raw"
+                    " source; prepare each with --config.data.mixture='' and"
+                    " --config.data.source=SPEC (a recipe's `raw` variant does that)")
   manifest = run_prepare(config.data.source, config_vocab(config), fv.out,
                          held_out_fraction=config.data.eval_fraction, runner=fv.runner,
                          num_workers=fv.num_workers, num_shards=fv.num_shards,

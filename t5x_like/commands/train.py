@@ -48,11 +48,16 @@ def _train(fv: flags.FlagValues, lock) -> int:
     print(f"t5x-like train: {e}", file=sys.stderr)
     return 1
   shown = ", ".join(f"{k}={round(v, 4)}" for k, v in sorted(result.items())
-                    if k.endswith(("accuracy", "loss", "perplexity")))
+                    if k.endswith(("accuracy", "loss", "perplexity")) and "/" not in k)
   if result.status == "stopped":
     print(f"stopped by {result.stopped_by} at step {result.step}: checkpoint saved; exit"
           f" {result.exit_code}: rerun the same command to resume"
           + (f" (last eval: {shown})" if shown else ""), flush=True)
+  elif result.status == "exhausted":
+    print(f"data exhausted at step {result.step}: mixture source"
+          f" {result.exhausted_source!r} would read past its first epoch in the next step"
+          f" (data.mixture_exhausted='stop'); checkpoint saved; final eval: "
+          + (shown or "none recorded"), flush=True)
   elif result.status == "already_finished":
     print(f"already finished at step {result.step} in {fv.workdir}; final eval: "
           + (shown or "none recorded"), flush=True)

@@ -2,7 +2,8 @@
 
 Global batch `step` is a pure function of (objective, seed, step): positions
 [step * G, (step + 1) * G) of the endless sequence of epochs, each epoch a seeded
-permutation of the objective's examples. Host h of P reads rows
+permutation of the objective's examples (in order for an objective that reads in
+order, a mixture: data/mixture.py). Host h of P reads rows
 [h * G/P, (h + 1) * G/P) of it and generates only those examples; the permutation is
 evaluated at those positions only (data/index_shuffle.py: O(G/P) work and memory per
 step, never a table of the epoch's examples). The grain iterator's state is just the
@@ -13,7 +14,7 @@ have.
 from __future__ import annotations
 
 import bisect
-from typing import Optional
+from typing import Callable, Optional
 
 import grain
 from absl import flags
@@ -24,6 +25,58 @@ from t5x_like.data.index_shuffle import shuffled
 from t5x_like.data.objective import Example, Objective
 
 _SHUFFLE_STREAM = 0x5EED  # the epoch permutation's key: (seed, epoch, _SHUFFLE_STREAM)
+
+
+class EpochSequence:
+  """The endless sequence of epochs of an objective, read position by position.
+
+  Position p of the sequence is example `examples_at(e, p - start(e))` of epoch e =
+  `epoch_of(p)`; each epoch is read in the seeded permutation keyed by (seed, e,
+  stream) (data/index_shuffle.py), or in order without shuffle. Epoch sizes come from
+  num_examples(epoch), asked for on demand and remembered.
+  """
+
+  def __init__(self, num_examples: Callable[[int], int], *, seed: int, stream: int,
+               shuffle: bool = True):
+    self.num_examples, self.seed, self.stream, self.shuffle = num_examples, seed, stream, shuffle
+    self._epoch_ends = [0]  # cumulative example counts, grown on demand
+
+  def start(self, epoch: int) -> int:
+    """The position of epoch `epoch`'s first example."""
+    while len(self._epoch_ends) <= epoch:
+      self._epoch_ends.append(self._epoch_ends[-1] + self.num_examples(len(self._epoch_ends) - 1))
+    return self._epoch_ends[epoch]
+
+  def _grow(self, position: int) -> None:
+    """Epoch sizes known through the epoch holding `position`."""
+    while self._epoch_ends[-1] <= position:
+      self.start(len(self._epoch_ends))
+
+  def epoch_of(self, position: int) -> int:
+    self._grow(position)
+    return bisect.bisect_right(self._epoch_ends, position) - 1
+
+  def examples_at(self, epoch: int, offsets: np.ndarray) -> np.ndarray:
+    """Example indices [M] at reading offsets [M] of `epoch` (its seeded permutation,
+    evaluated at those offsets only)."""
+    if not self.shuffle:
+      return offsets
+    size = self.start(epoch + 1) - self.start(epoch)
+    return shuffled(offsets, size, (self.seed, epoch, self.stream))
+
+  def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(epoch [M], example index [M]) at `positions` [M] (any order) of the sequence."""
+    positions = np.asarray(positions, np.int64)
+    epochs = np.zeros(positions.shape, np.int64)
+    examples = np.zeros(positions.shape, np.int64)
+    if positions.size:
+      self._grow(int(positions.max()))
+      ends = np.asarray(self._epoch_ends, np.int64)
+      epochs = np.searchsorted(ends, positions, side="right") - 1
+      for epoch in np.unique(epochs).tolist():
+        at = epochs == epoch
+        examples[at] = self.examples_at(epoch, positions[at] - ends[epoch])
+    return epochs, examples
 
 
 class BatchPlan:
@@ -46,7 +99,8 @@ class BatchPlan:
     self.num_epochs = num_epochs
     self.process_index = process_index
     self.process_count = process_count
-    self._epoch_ends = [0]  # cumulative example counts, grown on demand
+    self.epochs = EpochSequence(self._epoch_size, seed=seed, stream=_SHUFFLE_STREAM,
+                                shuffle=shuffle and not objective.reads_in_order)
 
   @property
   def host_batch_size(self) -> int:
@@ -59,27 +113,12 @@ class BatchPlan:
                        " small for the sequence length")
     return n
 
-  def _epoch_of(self, position: int) -> int:
-    while self._epoch_ends[-1] <= position:
-      self._epoch_ends.append(self._epoch_ends[-1] + self._epoch_size(len(self._epoch_ends) - 1))
-    return bisect.bisect_right(self._epoch_ends, position) - 1
-
   @property
   def num_steps(self) -> Optional[int]:
     """Whole global batches in num_epochs (the remainder is dropped); None: endless."""
     if self.num_epochs is None:
       return None
-    self._epoch_of(0)
-    total = sum(self._epoch_size(e) for e in range(self.num_epochs))
-    return total // self.global_batch_size
-
-  def _epoch_examples(self, epoch: int, offsets: np.ndarray) -> np.ndarray:
-    """Example indices [M] at reading positions `offsets` [M] of `epoch` (a seeded
-    permutation of its examples, evaluated at those positions only)."""
-    if not self.shuffle:
-      return offsets
-    size = self._epoch_ends[epoch + 1] - self._epoch_ends[epoch]
-    return shuffled(offsets, size, (self.seed, epoch, _SHUFFLE_STREAM))
+    return self.epochs.start(self.num_epochs) // self.global_batch_size
 
   def host_runs(self, step: int) -> list[tuple[int, np.ndarray]]:
     """This host's rows of global batch `step` as (epoch, example indices [M]) runs, in
@@ -88,10 +127,10 @@ class BatchPlan:
     end = position + self.host_batch_size
     runs = []
     while position < end:
-      epoch = self._epoch_of(position)
-      run_end = min(end, self._epoch_ends[epoch + 1])
-      offsets = np.arange(position, run_end, dtype=np.int64) - self._epoch_ends[epoch]
-      runs.append((epoch, self._epoch_examples(epoch, offsets)))
+      epoch = self.epochs.epoch_of(position)
+      run_end = min(end, self.epochs.start(epoch + 1))
+      offsets = np.arange(position, run_end, dtype=np.int64) - self.epochs.start(epoch)
+      runs.append((epoch, self.epochs.examples_at(epoch, offsets)))
       position = run_end
     return runs
 

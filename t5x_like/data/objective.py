@@ -43,6 +43,9 @@ class Objective(abc.ABC):
   """
 
   seed: int
+  # True: each epoch's examples are already in a seeded random order (data/mixture.py);
+  # the loader reads them in order instead of permuting them.
+  reads_in_order: bool = False
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)

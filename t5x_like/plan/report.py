@@ -20,6 +20,7 @@ import jax
 import ml_collections
 
 from t5x_like import parallel
+from t5x_like.data.mixture import describe_data
 from t5x_like.models.attention_core import tracing_for
 from t5x_like.plan import compiled as compiled_lib
 from t5x_like.plan import fit as fit_lib
@@ -227,6 +228,7 @@ def _make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: fl
       "batch_size": int(config.train.batch_size),
       "per_host_batch": int(config.train.batch_size) // topology.num_hosts,
       "microbatches": int(config.train.microbatches or 1),
+      "data": describe_data(config.data),
       "mfu": mfu,
       "params": _params_json(table, model),
       "phases": planned,

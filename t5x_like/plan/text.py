@@ -51,7 +51,16 @@ def _header(plan: dict, source: str) -> list[str]:
       f"mesh {mesh}; batch {plan['batch_size']} global ({plan['per_host_batch']} per host),"
       f" sharded {plan['batch_spec']} over {shards} shards, microbatches"
       f" {plan['microbatches']}",
+      _data_line(plan.get("data", {})),
   ]
+
+
+def _data_line(data: dict) -> str:
+  """'data SPEC' or 'data mixture of NAME (SPEC) RATE, ...; exhausted: restart'."""
+  if "mixture" not in data:
+    return f"data {data.get('source', '?')}"
+  parts = [f"{name} ({m['spec']}) {m['rate']}" for name, m in data["mixture"].items()]
+  return f"data mixture of {', '.join(parts)}; a source exhausted: {data['exhausted']}"
 
 
 def _params(plan: dict) -> list[str]:

@@ -27,6 +27,7 @@ import ml_collections
 from jax.sharding import PartitionSpec
 
 from t5x_like import parallel
+from t5x_like.data.mixture import EXHAUSTED, parse_mixture
 from t5x_like.data.pipeline import OBJECTIVES
 from t5x_like.data.prepared import VERIFY_MODES
 from t5x_like.errors import UserError
@@ -186,9 +187,7 @@ def _check_data(config, model_cfg: ModelConfig) -> None:
   if model_cfg.family != family:
     raise ConfigError(f"data.objective={d.objective!r} trains a {family!r} model, but"
                       f" model.preset={config.model.preset!r} is {model_cfg.family!r}")
-  scheme = d.source.split(":", 1)[0]
-  _choice("data.source (scheme)", scheme if d.source != "embedded" else "embedded",
-          ("embedded", "text", "jsonl", "tfds", "prepared"))
+  check_data_sources(d)
   lengths = [("data.length", d.length)] + [
       (f"train.phases[{i}].length", dict(p).get("length", d.length))
       for i, p in enumerate(config.train.phases or ())]
@@ -220,6 +219,26 @@ def _check_data(config, model_cfg: ModelConfig) -> None:
       if default is not None and not _same_type(options[key], default):
         raise ConfigError(f"{name}.{key}={options[key]!r}: expected"
                           f" {type(default).__name__} (like the default {default!r})")
+
+
+SOURCE_SCHEMES = ("embedded", "text", "jsonl", "tfds", "prepared")
+
+
+def check_data_sources(d) -> None:
+  """data.source, or data.mixture's specs, rates and exhaustion (data/mixture.py)."""
+  mixture = d.get("mixture", "")
+  _choice("data.mixture_exhausted", d.get("mixture_exhausted", "restart"), EXHAUSTED)
+  if not mixture:
+    _choice("data.source (scheme)", d.source.split(":", 1)[0], SOURCE_SCHEMES)
+    return
+  if d.source != "embedded":
+    raise ConfigError(f"data.source={d.source!r} and data.mixture are both set: name the"
+                      " source in data.mixture, or leave data.mixture empty")
+  if d.eval_source:
+    raise ConfigError(f"data.eval_source={d.eval_source!r} with data.mixture: a mixture"
+                      " holds out data.eval_fraction of each source; leave it empty")
+  for spec, _ in parse_mixture(mixture):
+    _choice(f"data.mixture[{spec!r}] (scheme)", spec.split(":", 1)[0], SOURCE_SCHEMES)
 
 
 # ---------------------------------------------------------------- train, optimizer

@@ -33,6 +33,12 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.length = 128  # inputs / max_seq_length / decoder length
   c.data.targets_length = 0  # prefix_lm_encdec only
   c.data.options = ml_collections.ConfigDict()  # objective options
+  # Mixture of sources (data/mixture.py; seqio's Mixture): "SPEC=RATE,SPEC=RATE" or
+  # "{'SPEC': RATE, ...}", each spec any data.source form, each rate a positive number
+  # or, for all at once, "size" (proportional to training tokens). "" = data.source.
+  # Eval holds out data.eval_fraction of each source, reported per source.
+  c.data.mixture = ""
+  c.data.mixture_exhausted = "restart"  # restart (next epoch, reshuffled) | stop (end the run)
   c.data.eval_source = ""  # "" = hold out the tail of every training document
   c.data.eval_fraction = 0.02
   c.data.num_workers = 0

@@ -16,6 +16,7 @@ import jax
 import ml_collections
 
 from t5x_like.data.loader import make_loader
+from t5x_like.data.mixture import Mixture, eval_sets, exhaustion_step
 from t5x_like.experiment import (build_data, build_mesh, build_model_from_config,
                                  config_vocab, global_batch_shapes, model_name,
                                  phase_configs)
@@ -43,6 +44,20 @@ def _last_eval(jsonl_path: str) -> dict:
     if evals:
       return evals
   return {}
+
+
+def _data_end(phase_config, objective, phases, phase: int) -> tuple[int, Optional[str]]:
+  """(the step phase `phase` trains to, the mixture source that ends it early or None):
+  with data.mixture_exhausted="stop", the last whole batch before the phase's loader
+  (from the phase's first step) reads past a source's first epoch
+  (mixture.exhaustion_step)."""
+  until_step = phases[phase][0]
+  if (phase_config.data.get("mixture_exhausted", "restart") != "stop"
+      or not isinstance(objective, Mixture)):
+    return until_step, None
+  first = phases[phase - 1][0] if phase else 0
+  steps, source = exhaustion_step(objective, phase_config.train.batch_size)
+  return (first + steps, source) if first + steps < until_step else (until_step, None)
 
 
 # =============================================================================== train
@@ -99,8 +114,24 @@ def train(config: ml_collections.ConfigDict, workdir, *,
       tokens_per_step = tc.batch_size * phase_config.data.length
 
       def evaluate(state, step: int) -> dict:
-        eval_batches = iter(make_loader(eval_objective, tc.batch_size,
-                                        seed=config.seed + 1))
+        """eval_<metric>; a mixture's per source as eval_<source>/<metric>, and overall
+        as the rate-weighted mean of the sources' (the mixture's expectation)."""
+        sets = eval_sets(eval_objective)
+        out: dict[str, float] = {}
+        overall: dict[str, float] = {}
+        for name, objective, weight in sets:
+          means = mean_eval_metrics(state, objective)
+          if len(sets) > 1:
+            out.update({f"eval_{name}/{k}": v for k, v in means.items()})
+          for k, v in means.items():
+            overall[k] = overall.get(k, 0.0) + weight * v
+        ppl = perplexity(overall)
+        if ppl is not None:
+          overall["perplexity"] = ppl
+        return {**{f"eval_{k}": v for k, v in overall.items()}, **out}
+
+      def mean_eval_metrics(state, objective) -> dict:
+        eval_batches = iter(make_loader(objective, tc.batch_size, seed=config.seed + 1))
         sums: dict[str, float] = {}
         for _ in range(tc.eval_batches):
           metrics = jax.device_get(eval_step(state.params,
@@ -111,7 +142,7 @@ def train(config: ml_collections.ConfigDict, workdir, *,
         ppl = perplexity(means)
         if ppl is not None:
           means["perplexity"] = ppl
-        return {f"eval_{k}": v for k, v in means.items()}
+        return means
 
       def scalars(metrics, step: int, seconds: float) -> dict:
         return summarize_train_metrics(
@@ -141,10 +172,17 @@ def train(config: ml_collections.ConfigDict, workdir, *,
         run.writer.log(f"phase {phase}: steps {step}..{until_step}, length"
                        f" {phase_config.data.length}, {dict(phase_config.data.options)}")
       resume_data = data_phase[0] if data_phase and data_phase[1] == phase else None
-      step, state, eval_metrics, stopped = run_steps(
-          phase_loop(phase, phase_config, objective, eval_objective, batch_shapes,
-                     resume_data), state, step, until_step)
+      end, exhausted = _data_end(phase_config, objective, phases, phase)
+      if step < end:
+        step, state, eval_metrics, stopped = run_steps(
+            phase_loop(phase, phase_config, objective, eval_objective, batch_shapes,
+                       resume_data), state, step, end)
+        if stopped:
+          return RunResult(eval_metrics, step, "stopped", run.preemption.requested)
       data_phase = None
-      if stopped:
-        return RunResult(eval_metrics, step, "stopped", run.preemption.requested)
+      if exhausted:
+        run.writer.log(f"data.mixture_exhausted='stop': source {exhausted!r} runs past its"
+                       f" first epoch in step {end + 1}; the run ends at step {step}")
+        return RunResult(eval_metrics or _last_eval(run.writer.jsonl_path), step,
+                         "exhausted", exhausted_source=exhausted)
     return RunResult(eval_metrics, step, "finished")

@@ -81,14 +81,17 @@ class RunResult(dict):
   step: the step reached. status: 'finished' (trained to the end now),
   'already_finished' (the workdir's run had ended; the metrics are its last eval row,
   or in fine-tuning the dev metrics of its final checkpoint) or 'stopped' (by the
-  signal `stopped_by`; a checkpoint of `step` is saved and a rerun resumes).
+  signal `stopped_by`; a checkpoint of `step` is saved and a rerun resumes) or
+  'exhausted' (data.mixture_exhausted="stop": the mixture source `exhausted_source`
+  would run past its first epoch in the next step; a checkpoint of `step` is saved).
   exit_code: the command's exit status for it.
   """
 
   def __init__(self, metrics: dict, step: int, status: str,
-               stopped_by: Optional[str] = None):
+               stopped_by: Optional[str] = None, exhausted_source: Optional[str] = None):
     super().__init__(metrics)
     self.step, self.status, self.stopped_by = step, status, stopped_by
+    self.exhausted_source = exhausted_source
 
   @property
   def exit_code(self) -> int:
