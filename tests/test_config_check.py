@@ -29,7 +29,10 @@ VARIANTS = {
     "t5_cpu": [("", 8), ("smoke", 8)],
 }
 # Fine-tuning configs (t5x-like finetune): their variants.
-FINETUNE_VARIANTS = {"finetune_books": ["bert", "t5", "bert,smoke", "t5,smoke"]}
+FINETUNE_VARIANTS = {"finetune_books": ["bert", "t5", "bert,smoke", "t5,smoke"],
+                     "glue": ["cola", "mnli,family=t5", "stsb,smoke", "rte,smoke,family=t5"],
+                     "superglue": ["boolq", "cb,smoke,family=t5"],
+                     "squad": ["v1", "v2,smoke,family=t5"]}
 
 
 load = load_config
