@@ -2,6 +2,10 @@
 
   t5x-like train --config configs/bert_cpu.py --workdir /tmp/bert     (~6 min, 2 cores)
   t5x-like train --config configs/bert_cpu.py:smoke --workdir /tmp/b  (seconds; tests)
+  t5x-like train --config configs/bert_cpu.py:mini --workdir /tmp/bm  (~60 min, 2 cores)
+
+`mini`: bert-mini (L4 H256 A4) on 128-token sequences, 10,000 steps of 32: the one-hour
+pretraining of the text-task experiments (docs/text-tasks.md).
 """
 
 from t5x_like.train.defaults import default_config, smoke_schedule
@@ -29,8 +33,20 @@ def get_config(arg: str = ""):
   c.optimizer.warmup_steps = 300
   if arg == "smoke":
     _shrink(c)
+  elif arg == "mini":
+    c.model.preset = "bert-mini"  # L4 H256 A4
+    c.model.overrides = dict(max_position_embeddings=128, dropout_rate=0.1,
+                             attention_dropout_rate=0.1)
+    c.data.length = 128
+    c.data.options = dict(max_predictions_per_seq=20)
+    c.train.num_steps = 10_000  # ~3 steps/s on 2 cores
+    c.train.eval_every = 2000
+    c.train.checkpoint_every = 1000
+    c.optimizer.learning_rate = 1e-3
+    c.optimizer.warmup_steps = 500
   elif arg:
-    raise ValueError(f"configs/bert_cpu.py: unknown variant {arg!r} (expected '' or 'smoke')")
+    raise ValueError(f"configs/bert_cpu.py: unknown variant {arg!r} (expected '', 'smoke'"
+                     " or 'mini')")
   return c
 
 

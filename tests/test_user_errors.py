@@ -56,6 +56,10 @@ def _files(tmp):
             "  if arg == 'option':\n"
             "    c.data.options = dict(max_predictions_per_seq='ten')\n"
             "  return c\n")
+  os.makedirs("story")  # 40 sentences of one author
+  with open(os.path.join("story", "smith_tale.txt"), "w") as f:
+    f.writelines(f"The house of the doctor was quiet and the river ran {n} times.\n\n"
+                 for n in range(40))
   os.makedirs("task")
   for split in ("train", "dev"):
     with open(os.path.join("task", f"{split}.csv"), "w") as f:
@@ -115,6 +119,16 @@ CASES = [
     ("missing --config", ["train", "--workdir=wd"], ["--config"]),
     ("unknown flag", train("--bogus=1"), ["bogus"]),
     ("multi-host without coordinator", train("--num_processes=2"), ["--coordinator_address"]),
+    # ------------------------------------------------------ text-task builders (task)
+    ("task source: empty glob", ["task", "acceptability", "--source=text:nothing/*.txt",
+                                 "--out=out"], ["nothing/*.txt"]),
+    ("task source: too few sentences", ["task", "coherence", "--source=text:a_directory/*.txt",
+                                        "--out=out"], ["a_directory", "too small"]),
+    ("task: more labels per class than the data", [
+        "task", "acceptability", "--source=text:story/*.txt", "--out=out",
+        "--per_class=500"], ["--per_class 500", "story", "acceptable"]),
+    ("task: one author only", ["task", "authorship", "--source=text:story/*.txt",
+                               "--out=out"], ["two authors", "smith"]),
     # ------------------------------------------------------------------- config values
     ("learning rate nan", train("--config.optimizer.learning_rate=nan"),
      ["optimizer.learning_rate"]),
@@ -254,7 +268,8 @@ HELP = [(["train"], "--workdir"), (["plan"], "--topology"), (["infer"], "--check
         (["finetune"], "--workdir"), (["models"], "names"), (["vocab"], "train"),
         (["vocab", "train"], "--source"), (["vocab", "encode"], "--vocab"),
         (["vocab", "decode"], "ids"), (["task"], "books"), (["task", "books"], "--out"),
-        (["task", "books-unseen"], "--num_regions"), (["bench"], "bert-vs-torch"),
+        (["task", "books-unseen"], "--num_regions"), (["task", "acceptability"], "--per_class"),
+        (["task", "coherence"], "--min_distance"), (["task", "authorship"], "--source"), (["bench"], "bert-vs-torch"),
         (["bench", "data"], "--objective"), (["bench", "attention"], "--interpret_pallas"),
         (["bench", "model"], "--steps"), (["bench", "compile"], "--layers"),
         (["bench", "bert-vs-torch"], "--config"), (["data"], "prepare"),

@@ -103,6 +103,11 @@ class DocumentSource(abc.ABC):
   def _read(self, index: int) -> str | None:
     """Raw text of document `index`; None when it was counted as malformed."""
 
+  def location(self, index: int) -> str:
+    """Where document `index` comes from, for messages and names: its file, book or
+    record."""
+    return self._where(index)
+
   def _where(self, index: int) -> str:
     return f"#{index}"
 

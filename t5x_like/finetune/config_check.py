@@ -52,6 +52,9 @@ def validate_finetune(config, num_devices: Optional[int] = None,
       raise ConfigError(f"task.{key} is required (a CSV or JSONL file)")
     if not os.path.isfile(config.task[key]):
       raise ConfigError(f"task.{key}={config.task[key]!r} does not exist")
+  test_file = "" if config.benchmark.name else config.task.test_file
+  if test_file and not os.path.isfile(test_file):
+    raise ConfigError(f"task.test_file={test_file!r} does not exist")
   t = config.train
   for key in ("batch_size", "num_steps", "microbatches", "log_every"):
     positive(f"train.{key}", t[key])

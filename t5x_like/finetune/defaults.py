@@ -37,6 +37,7 @@ def default_finetune_config() -> ml_collections.ConfigDict:
   c.task.name = "classification"  # one of t5x_like.finetune.tasks.TASKS
   c.task.train_file = ""  # CSV (header row) or JSONL
   c.task.dev_file = ""
+  c.task.test_file = ""  # optional: scored once at the end (test_* in final_metrics.json)
   c.task.update(task_options())
 
   # Or a benchmark task read from TFDS (t5x_like/finetune/benchmarks.py): it sets the

@@ -161,10 +161,24 @@ def finetune(config: ml_collections.ConfigDict, workdir, *,
               model, predictor(last["params"], extra_features[key]), dataset,
               extra_features[key])))
       run.writer.log("official metrics: " + json.dumps(final["official"]))
+    test_rows = []
+    if splits.benchmark is None and splits.test:  # task.test_file: the final weights
+      test_set = splits.test["test"]
+      test_features = extra_features["test", "test"]
+      test_predictions = predictor(last["params"], test_features)
+      final.update({f"test_{k}": v for k, v in dev_metrics(
+          model, test_predictions, test_features, test_set).items()},
+                   test_examples=len(test_set.examples))
+      test_rows = prediction_rows(model, test_predictions, test_set, test_features)
+      run.writer.log("test: " + ", ".join(f"{k}={final[k]:.4f}" for k in final
+                                          if k.startswith("test_") and k != "test_examples"))
     if jax.process_index() == 0:
       rows = prediction_rows(model, last["predictions"], dev_set, dev_features)
       fs.write_bytes(os.path.join(run.workdir, "dev_predictions.jsonl"),
                      "".join(json.dumps(row) + "\n" for row in rows).encode())
+      if test_rows:
+        fs.write_bytes(os.path.join(run.workdir, "test_predictions.jsonl"),
+                       "".join(json.dumps(row) + "\n" for row in test_rows).encode())
       fs.write_bytes(os.path.join(run.workdir, "final_metrics.json"),
                      json.dumps(final, indent=1).encode())
     return RunResult(final, step, "already_finished" if start.finished else "finished")

@@ -4,7 +4,8 @@
   data = load_splits(config, task, text_to_text)
   data.train, data.dev {name: Dataset}, data.test {name: Dataset}, data.benchmark
 
-Files (config.task.train_file / dev_file, CSV or JSONL): one dev split, "dev". A
+Files (config.task.train_file / dev_file, CSV or JSONL): one dev split, "dev", and with
+config.task.test_file one test split, "test", scored once at the end. A
 benchmark (config.benchmark.name, e.g. "glue/mnli"; finetune/benchmarks.py) reads its
 TFDS splits: train, every dev split (MNLI: matched and mismatched; the first is
 evaluated during training), and with config.benchmark.predict_test its test splits,
@@ -56,8 +57,10 @@ def load_splits(config, task: Task, text_to_text: bool) -> Splits:
   """The run's splits (module docstring)."""
   if not config.benchmark.name:
     train = read_examples(config.task.train_file, task)
-    return Splits(train, {"dev": read_examples(config.task.dev_file, task,
-                                                labels=train.labels)}, {})
+    dev = {"dev": read_examples(config.task.dev_file, task, labels=train.labels)}
+    test = ({"test": read_examples(config.task.test_file, task, labels=train.labels)}
+            if config.task.test_file else {})
+    return Splits(train, dev, test)
   from t5x_like.finetune.tfds_data import benchmark_data_dir, read_benchmark_split
   bc = config.benchmark
   bench = benchmark(bc.name)

@@ -1,0 +1,61 @@
+"""Fine-tuning on a task of `t5x-like task authorship|acceptability|coherence`.
+
+  t5x-like task acceptability --source 'text:my_books/*.txt' --out workdir/acceptability
+  t5x-like finetune --config configs/text_tasks.py:acceptability --workdir workdir/ft_acc \\
+      --config.init.checkpoint=workdir/bert_mini          # pretrained; without: random
+Arguments: the task kind (authorship, acceptability, coherence); family=bert|t5; dir=PATH
+(where `t5x-like task` wrote: default workdir/<kind>); `smoke` (the :smoke pretraining
+configs, 10 steps; tests). The backbone is configs/bert_cpu.py:mini or t5_cpu.py:mini,
+the one-hour pretraining of docs/text-tasks.md; train/dev/test.csv are read, and
+final_metrics.json has the dev and test accuracy.
+BERT: mean pooling without the pooler (docs/book-task.md: the best head for both
+pretrained and random initialisation); T5: the label generated as text and ranked.
+AdamW, 30 warmup steps then linear decay, 300 steps of 32.
+"""
+
+import os
+
+from t5x_like.finetune.defaults import default_finetune_config
+from t5x_like.train.defaults import parse_arg
+
+KINDS = ("authorship", "acceptability", "coherence")
+
+
+def get_config(arg: str = "acceptability"):
+  args = parse_arg(arg, task="acceptability", family="bert", dir="", smoke=False)
+  if args.task not in KINDS:
+    raise ValueError(f"configs/text_tasks.py: task={args.task!r}: expected one of {KINDS}")
+  if args.family not in ("bert", "t5"):
+    raise ValueError(f"configs/text_tasks.py: family={args.family!r}: expected bert or t5")
+  folder = args.dir or f"workdir/{args.task}"
+  c = default_finetune_config()
+  pretrain = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                          {"bert": "bert_cpu.py", "t5": "t5_cpu.py"}[args.family])
+  c.init.config = pretrain + (":smoke" if args.smoke else ":mini")
+  c.task.name = "classification"
+  c.task.train_file = f"{folder}/train.csv"
+  c.task.dev_file = f"{folder}/dev.csv"
+  c.task.test_file = f"{folder}/test.csv"
+  c.task.text_pair_column = "text_pair" if args.task == "coherence" else ""
+  # Pieces: sentences of at most 40 words (and 32-word passages) fit in 64; a
+  # coherence pair in 128 (the pretraining length).
+  c.task.max_length = 128 if args.task == "coherence" else 64
+  c.task.target_length = 8  # a label + eos
+  c.task.task_prefix = args.task
+  c.task.pooling = "mean"
+  c.task.pooler = False
+  c.train.batch_size = 32
+  c.train.num_steps = 300
+  c.train.log_every = 50
+  c.train.eval_every = 0  # dev and test at the end
+  c.optimizer.name = "adamw"
+  c.optimizer.learning_rate = 3e-4
+  c.optimizer.schedule = "linear"
+  c.optimizer.warmup_steps = 30
+  c.optimizer.weight_decay = 0.01
+  if args.smoke:
+    c.train.num_steps = 10
+    c.train.batch_size = 8
+    c.train.log_every = 5
+    c.task.max_length = 64  # the smoke backbones' positions
+  return c

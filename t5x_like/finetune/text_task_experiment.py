@@ -1,0 +1,273 @@
+"""The text-task experiment: pretrained against random initialisation against a bag of
+pieces, on tasks from books that pretraining never saw, at several label counts.
+
+  python -m t5x_like.finetune.text_task_experiment --workdir workdir/text_tasks \\
+      --pretrain large='text:more_books/*.txt' --pretrain small=embedded:austen_...
+
+Every stage skips what an earlier call finished, so a call resumes an interrupted one
+and a second call with more arms, seeds or families adds only the missing runs:
+
+  corpus    each --pretrain source, unwrapped (one line per paragraph, as the task texts
+            have no line breaks), into WORKDIR/corpus/NAME/; a document that is also in
+            --task_source is an error (the tasks must come from unseen text)
+  pretrain  `t5x-like train --config configs/{bert,t5}_cpu.py:mini` on each corpus
+            (WORKDIR/pretrain/FAMILY_NAME; about an hour each on 2 cores)
+  tasks     `t5x-like task KIND --source TASK_SOURCE --per_class N --seed S` per kind,
+            label count and seed (WORKDIR/tasks/KIND/N_sS; dev and test are the same
+            for every N and S)
+  lr        per family, arm (random, or pretrained on NAME) and kind: each learning
+            rate of --lrs at --select_count labels per class, seed 0; the best dev
+            accuracy picks the arm's rate
+  finetune  every label count x seed at the picked rate (configs/text_tasks.py; at
+            most 300 steps of 32, at least 100 and 20 epochs)
+  baseline  the bag-of-pieces logistic regression (finetune/bag_of_pieces.py) on
+            every task folder
+  tables    WORKDIR/results.jsonl (one row per run) and WORKDIR/tables.md: test
+            accuracy, mean and range over the seeds, per family, kind and label count
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from typing import Optional
+
+import numpy as np
+
+from t5x_like.errors import UserError
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "configs")
+KINDS = ("authorship", "acceptability", "coherence")
+UNSEEN = "embedded:carroll_alices_adventures_in_wonderland,shelley_frankenstein," \
+         "wells_the_time_machine"
+
+
+def log(message: str) -> None:
+  print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def t5x_like(*args: str, log_file: Optional[str] = None) -> None:
+  """Runs `t5x-like ARGS` (this interpreter), its output to log_file; raises on failure."""
+  command = [sys.executable, "-m", "t5x_like.cli", *args]
+  if log_file:
+    os.makedirs(os.path.dirname(log_file), exist_ok=True)
+  with open(log_file or os.devnull, "w") as out:
+    rc = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT)
+  if rc:
+    raise RuntimeError(f"exit {rc}: {' '.join(command)} (log: {log_file})")
+
+
+def count_name(count: int) -> str:
+  return str(count) if count else "all"
+
+
+def steps_for(train_examples: int, batch_size: int = 32) -> int:
+  """20 epochs, at least 100 steps and at most 300 (the config's)."""
+  return int(min(300, max(100, math.ceil(20 * train_examples / batch_size))))
+
+
+# --------------------------------------------------------------------------- stages
+def write_corpus(name: str, specs: list[str], task_spec: str, workdir: str) -> str:
+  """WORKDIR/corpus/NAME/*.txt: the documents of every spec, unwrapped, each file named
+  after its document (its file or book name); returns the glob."""
+  from t5x_like.data.sources import source_from_spec
+  from t5x_like.finetune.books import unwrap
+  folder = os.path.join(workdir, "corpus", name)
+  pattern = os.path.join(folder, "*.txt")
+  if os.path.exists(os.path.join(folder, "DONE")):
+    return pattern
+  task_docs = {" ".join(doc.split()) for doc in source_from_spec(task_spec)}
+  os.makedirs(folder, exist_ok=True)
+  for spec in specs:
+    source = source_from_spec(spec)
+    for d in range(len(source)):
+      text = source[d]
+      if " ".join(text.split()) in task_docs:
+        raise UserError(f"--pretrain {name}={spec}: document {source.location(d)} is also"
+                        f" in --task_source {task_spec}; the tasks must come from unseen"
+                        " text")
+      base = os.path.splitext(os.path.basename(source.location(d)))[0] or "document"
+      path = os.path.join(folder, f"{base}.txt")
+      if os.path.exists(path):
+        path = os.path.join(folder, f"{base}_{d}.txt")
+      with open(path, "w", encoding="utf-8") as f:
+        f.write(unwrap(text))
+  open(os.path.join(folder, "DONE"), "w").close()
+  return pattern
+
+
+def pretrain(family: str, name: str, corpus_glob: str, workdir: str, smoke: bool) -> str:
+  """The pretraining run's workdir (trained when it has no DONE marker)."""
+  out = os.path.join(workdir, "pretrain", f"{family}_{name}")
+  if not os.path.exists(out + ".done"):
+    log(f"pretrain {family} on {name}")
+    variant = "smoke" if smoke else "mini"
+    t5x_like("train", "--config", os.path.join(CONFIGS, f"{family}_cpu.py:{variant}"),
+             "--workdir", out, f"--config.data.source=text:{corpus_glob}",
+             log_file=out + ".log")
+    open(out + ".done", "w").close()
+  return out
+
+
+def build_task(kind: str, count: int, seed: int, task_spec: str, workdir: str) -> str:
+  folder = os.path.join(workdir, "tasks", kind, f"{count_name(count)}_s{seed}")
+  if not os.path.exists(os.path.join(folder, "stats.json")):
+    from t5x_like.finetune.text_tasks import build_text_task
+    build_text_task(kind, task_spec, folder, per_class=count, seed=seed)
+  return folder
+
+
+def finetune(family: str, arm: str, kind: str, task_dir: str, lr: float, seed: int,
+             checkpoint: str, workdir: str, smoke: bool) -> dict:
+  """final_metrics.json of one fine-tuning run (run when missing)."""
+  run = os.path.join(workdir, "runs", family, arm, kind,
+                     f"{os.path.basename(task_dir)}_lr{lr:g}")
+  metrics_file = os.path.join(run, "final_metrics.json")
+  if not os.path.exists(metrics_file):
+    with open(os.path.join(task_dir, "stats.json")) as f:
+      train_examples = json.load(f)["splits"]["train"]["examples"]
+    arg = f"{kind},family={family},dir={task_dir}" + (",smoke" if smoke else "")
+    args = ["finetune", "--config", os.path.join(CONFIGS, f"text_tasks.py:{arg}"),
+            "--workdir", run, f"--config.optimizer.learning_rate={lr}",
+            f"--config.seed={seed}"]
+    if not smoke:
+      args.append(f"--config.train.num_steps={steps_for(train_examples)}")
+    if checkpoint:
+      args.append(f"--config.init.checkpoint={checkpoint}")
+    started = time.time()
+    t5x_like(*args, log_file=run + ".log")
+    log(f"{family} {arm} {kind} {os.path.basename(task_dir)} lr {lr:g}: "
+        f"{time.time() - started:.0f} s")
+  with open(metrics_file) as f:
+    return json.load(f)
+
+
+def baseline(family: str, task_dir: str, workdir: str) -> dict:
+  out = os.path.join(workdir, "baseline", family, os.path.basename(os.path.dirname(task_dir)),
+                     os.path.basename(task_dir) + ".json")
+  if not os.path.exists(out):
+    from t5x_like.command_flags import load_config_file
+    from t5x_like.finetune.backbone import load_backbone
+    from t5x_like.finetune.bag_of_pieces import bag_of_pieces
+    from t5x_like.finetune.splits import load_splits
+    from t5x_like.finetune.tasks import task_from_config
+    kind = os.path.basename(os.path.dirname(task_dir))
+    config = load_config_file(os.path.join(CONFIGS, f"text_tasks.py:{kind},family={family},"
+                                           f"dir={task_dir},smoke"))
+    task = task_from_config(config.task)
+    splits = load_splits(config, task, text_to_text=False)
+    result = bag_of_pieces(splits.train, splits.main_dev, splits.test["test"],
+                           load_backbone(config).tokenizer)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+      json.dump(result, f)
+  with open(out) as f:
+    return json.load(f)
+
+
+# --------------------------------------------------------------------------- tables
+def tables(rows: list[dict], arms: list[str]) -> str:
+  """Markdown: per family, rows kind x label count, columns bag / each arm, test
+  accuracy mean (min-max) over the seeds; the pretrained arms' margins over random."""
+  cell = collections.defaultdict(list)
+  for r in rows:
+    cell[r["family"], r["kind"], r["count"], r["arm"]].append(r["test_accuracy"])
+  out = []
+  for family in sorted({r["family"] for r in rows}):
+    shown = [a for a in arms if any(k[0] == family and k[3] == a for k in cell)]
+    pretrained = [a for a in shown if a != "random"]
+    out.append(f"\n### {family.upper()}: test accuracy, mean (range) over seeds\n")
+    out.append("| task | labels per class | bag of pieces | " + " | ".join(
+        "random init" if a == "random" else f"pretrained on {a}" for a in shown)
+        + "".join(f" | {a} - random" for a in pretrained) + " |")
+    out.append("|---" * (3 + len(shown) + len(pretrained)) + "|")
+    for kind in KINDS:
+      counts = sorted({k[2] for k in cell if k[0] == family and k[1] == kind},
+                      key=lambda c: c or 10**9)
+      for count in counts:
+        values = {a: cell.get((family, kind, count, a), []) for a in ["bag", *shown]}
+        fmt = [f"{np.mean(v):.3f} ({min(v):.3f}-{max(v):.3f})" if len(v) > 1 else
+               (f"{v[0]:.3f}" if v else "") for v in values.values()]
+        margins = [f"{np.mean(values[a]) - np.mean(values['random']):+.3f}"
+                   if values[a] and values.get("random") else "" for a in pretrained]
+        out.append(f"| {kind} | {count_name(count)} | " + " | ".join(fmt + margins) + " |")
+  return "\n".join(out) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+  p = argparse.ArgumentParser(prog="python -m t5x_like.finetune.text_task_experiment",
+                              description=__doc__.split("\n\n")[0])
+  p.add_argument("--workdir", required=True)
+  p.add_argument("--pretrain", action="append", default=[], metavar="NAME=SPEC",
+                 help="a pretraining corpus (a source spec); repeat for several corpora,"
+                      " or with the same NAME to join several sources into one")
+  p.add_argument("--task_source", default=UNSEEN, help="the text the tasks are built from")
+  p.add_argument("--families", default="bert", help="bert and/or t5, comma-separated")
+  p.add_argument("--kinds", default=",".join(KINDS))
+  p.add_argument("--counts", default="16,64,256,all", help="labels per class (all = every)")
+  p.add_argument("--seeds", default="0,1,2")
+  p.add_argument("--lrs", default="1e-4,3e-4,1e-3")
+  p.add_argument("--select_count", default="256", help="label count of the lr selection")
+  p.add_argument("--random", default=True, action=argparse.BooleanOptionalAction,
+                 help="also the random-initialisation arm")
+  p.add_argument("--smoke", action="store_true", help="tiny configs, 10 steps (tests)")
+  a = p.parse_args(argv)
+  parse_count = lambda c: 0 if c == "all" else int(c)
+  counts = [parse_count(c) for c in a.counts.split(",")]
+  seeds = [int(s) for s in a.seeds.split(",")]
+  lrs = [float(x) for x in a.lrs.split(",")]
+  select = parse_count(a.select_count)
+  kinds = a.kinds.split(",")
+  corpora: dict[str, list[str]] = {}
+  for item in a.pretrain:
+    name, sep, spec = item.partition("=")
+    if not sep or not name or not spec:
+      p.error(f"--pretrain {item!r}: expected NAME=SPEC")
+    corpora.setdefault(name, []).append(spec)
+  workdir = os.path.abspath(a.workdir)
+  results = os.path.join(workdir, "results.jsonl")
+  rows = []
+  arms = (["random"] if a.random else []) + list(corpora)
+  for family in a.families.split(","):
+    checkpoints = {"random": ""}
+    for name, specs in corpora.items():
+      corpus_glob = write_corpus(name, specs, a.task_source, workdir)
+      checkpoints[name] = pretrain(family, name, corpus_glob, workdir, a.smoke)
+    for kind in kinds:
+      for count in counts:
+        for seed in seeds:
+          task_dir = build_task(kind, count, seed, a.task_source, workdir)
+          rows.append(dict(family=family, kind=kind, count=count, seed=seed, arm="bag",
+                           **{k: v for k, v in baseline(family, task_dir, workdir).items()}))
+      for arm in arms:
+        select_dir = build_task(kind, select, 0, a.task_source, workdir)
+        dev = {lr: finetune(family, arm, kind, select_dir, lr, 0, checkpoints[arm], workdir,
+                            a.smoke)["accuracy"] for lr in lrs}
+        best = max(lrs, key=lambda lr: (dev[lr], -lr))
+        log(f"{family} {arm} {kind}: dev accuracy by lr {dev}; picked {best:g}")
+        for count in counts:
+          for seed in seeds:
+            task_dir = build_task(kind, count, seed, a.task_source, workdir)
+            m = finetune(family, arm, kind, task_dir, best, seed, checkpoints[arm], workdir,
+                         a.smoke)
+            rows.append(dict(family=family, kind=kind, count=count, seed=seed, arm=arm,
+                             lr=best, dev_accuracy=m["accuracy"],
+                             test_accuracy=m["test_accuracy"], seconds=m["seconds"]))
+      with open(results, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+      with open(os.path.join(workdir, "tables.md"), "w") as f:
+        f.write(tables(rows, arms))
+  print(tables(rows, arms))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

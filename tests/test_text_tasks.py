@@ -1,0 +1,233 @@
+"""The text-task builders (t5x_like/finetune/text_tasks.py), the bag-of-pieces baseline
+(finetune/bag_of_pieces.py) and task.test_file.
+
+The builders' properties are checked against the source text itself: every
+"unacceptable" sentence is its "acceptable" twin with two neighbouring words swapped or
+one function word put in place of a word of another part of speech, every "consecutive"
+pair is found consecutive in the text and every "elsewhere" pair is not, no sentence is in
+two splits, the classes are balanced and --per_class keeps that many."""
+
+import collections
+import contextlib
+import csv
+import io
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+
+from t5x_like import cli
+from t5x_like.data.sentences import split_sentences
+from t5x_like.finetune import text_tasks
+from helpers import ROOT
+
+BOOKS = ("carroll_alices_adventures_in_wonderland", "shelley_frankenstein",
+         "wells_the_time_machine")
+UNSEEN = "embedded:" + ",".join(BOOKS)
+
+# Parts of speech of some frequent words, written here apart from the module's table.
+POS = {"the": "det", "a": "det", "his": "det", "their": "det", "of": "prep", "in": "prep",
+       "with": "prep", "from": "prep", "he": "pron", "she": "pron", "they": "pron",
+       "was": "aux", "had": "aux", "would": "aux", "and": "conj", "but": "conj"}
+
+
+def _rows(folder, split):
+  with open(os.path.join(folder, f"{split}.csv"), encoding="utf-8", newline="") as f:
+    return list(csv.DictReader(f))
+
+
+def _book_sentences():
+  """Every sentence of the three books, whitespace squashed, per book."""
+  from t5x_like import corpus
+  return {b: [" ".join(s.split()) for s in split_sentences(corpus.read_book(b))]
+          for b in BOOKS}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+  out = {}
+  for kind in text_tasks.KINDS:
+    folder = str(tmp_path_factory.mktemp(kind))
+    out[kind] = folder, text_tasks.build_text_task(kind, UNSEEN, folder)
+  return out
+
+
+def _balanced(folder, labels):
+  for split in text_tasks.SPLITS:
+    counts = collections.Counter(r["label"] for r in _rows(folder, split))
+    assert sorted(counts) == sorted(labels), (split, counts)
+    assert len(set(counts.values())) == 1, (split, counts)
+
+
+def test_acceptability_pairs_are_local_corruptions(built):
+  folder, stats = built["acceptability"]
+  _balanced(folder, ["acceptable", "unacceptable"])
+  kinds, seen = collections.Counter(), {}
+  for split in text_tasks.SPLITS:
+    rows = _rows(folder, split)
+    good = {r["text"] for r in rows if r["label"] == "acceptable"}
+    for s in good:
+      assert s not in seen, f"{s!r} in {seen.get(s)} and {split}"
+      seen[s] = split
+    by_shape = collections.defaultdict(list)
+    for s in good:
+      by_shape[len(s.split()), s.split()[0]].append(s.split())
+    for r in rows:
+      if r["label"] != "unacceptable":
+        continue
+      bad = r["text"].split()
+      twins = []
+      for g in by_shape[len(bad), bad[0]]:
+        diff = [i for i, (x, y) in enumerate(zip(g, bad)) if x != y]
+        if len(diff) == 2 and diff[1] == diff[0] + 1 and g[diff[0]] == bad[diff[1]] \
+            and g[diff[1]] == bad[diff[0]] and g[diff[0]].isalpha() and g[diff[0]].islower():
+          twins.append("swap")
+        elif len(diff) == 1 and diff[0] > 0:
+          old, new = g[diff[0]], bad[diff[0]]
+          if old in POS and new in POS:
+            assert POS[old] != POS[new], (old, new, r["text"])
+          twins.append("replace")
+      assert twins, f"no acceptable twin in {split} for {r['text']!r}"
+      kinds[twins[0]] += 1
+  assert min(kinds.values()) > 0.3 * sum(kinds.values()), kinds
+  assert stats["splits"]["train"]["examples"] > 5000
+  # Every acceptable sentence is a whole sentence of one of the books.
+  sentences = {s for book in _book_sentences().values() for s in book}
+  assert all(s in sentences for s in seen)
+
+
+def test_coherence_pairs_follow_the_text(built):
+  folder, stats = built["coherence"]
+  _balanced(folder, ["consecutive", "elsewhere"])
+  position = {}
+  for b, sentences in _book_sentences().items():
+    for i, s in enumerate(sentences):
+      position.setdefault(s, (b, i))
+  firsts = {}
+  for split in text_tasks.SPLITS:
+    for r in _rows(folder, split):
+      (b1, i), (b2, j) = position[r["text"]], position[r["text_pair"]]
+      assert b1 == b2, "both sentences from one book"
+      if r["label"] == "consecutive":
+        assert j == i + 1
+      else:
+        assert abs(j - i) >= stats["min_distance"]
+      firsts.setdefault(r["text"], set()).add(split)
+      firsts.setdefault(r["text_pair"], set()).add(split)
+  assert all(len(s) == 1 for s in firsts.values()), "a sentence in two splits"
+
+
+def test_authorship_balanced_passages_of_the_books(built):
+  folder, stats = built["authorship"]
+  _balanced(folder, ["carroll", "shelley", "wells"])
+  from t5x_like import corpus
+  words = {b.split("_")[0]: " ".join(corpus.read_book(b).split()) for b in BOOKS}
+  passages = collections.Counter()
+  for split in text_tasks.SPLITS:
+    for r in _rows(folder, split):
+      assert len(r["text"].split()) == 32 and r["text"] in words[r["label"]]
+      passages[r["text"]] += 1
+  assert max(passages.values()) == 1
+
+
+def test_per_class_keeps_that_many_and_the_same_dev(tmp_path):
+  for kind, per_class in (("acceptability", 16), ("coherence", 64), ("authorship", 16)):
+    a, b, c = (str(tmp_path / f"{kind}{n}") for n in range(3))
+    stats = text_tasks.build_text_task(kind, UNSEEN, a, per_class=per_class, seed=1)
+    text_tasks.build_text_task(kind, UNSEEN, b, per_class=per_class, seed=1)
+    text_tasks.build_text_task(kind, UNSEEN, c, per_class=per_class, seed=2)
+    train = _rows(a, "train")
+    assert all(n == per_class for n in collections.Counter(r["label"] for r in train).values())
+    assert stats["splits"]["train"]["examples"] == len(train)
+    assert train == _rows(b, "train"), "a function of the seed"
+    assert train != _rows(c, "train")
+    for split in ("dev", "test"):  # the seed picks the training subset only
+      assert _rows(a, split) == _rows(c, split)
+    everything = str(tmp_path / f"{kind}_all")
+    text_tasks.build_text_task(kind, UNSEEN, everything)
+    assert _rows(everything, "test") == _rows(a, "test")
+    whole = {tuple(r.values()) for r in _rows(everything, "train")}
+    assert all(tuple(r.values()) in whole for r in train)
+
+
+def _story(folder, authors=("smith", "jones"), sentences=300):
+  """Text files the repository does not ship: `sentences` made-up sentences per author."""
+  os.makedirs(folder, exist_ok=True)
+  rng = random.Random(0)
+  nouns = "house river garden letter window horse doctor city morning stranger".split()
+  verbs = "watched opened followed remembered crossed answered found left".split()
+  for author in authors:
+    with open(os.path.join(folder, f"{author}_story.txt"), "w") as f:
+      for n in range(sentences):
+        f.write(f"The {rng.choice(nouns)} of the {rng.choice(nouns)} {rng.choice(verbs)} him"
+                f" and the {rng.choice(nouns)} was quiet number {n}.\n\n")
+
+
+def test_cli_builds_from_any_text(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  _story("mine")
+  for kind in text_tasks.KINDS:
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+      assert cli.main(["task", kind, "--source", "text:mine/*.txt", "--out", kind,
+                       "--per_class", "8"]) == 0
+    printed = json.loads(stdout.getvalue())
+    with open(os.path.join(kind, "stats.json")) as f:
+      assert json.load(f) == printed
+    assert printed["splits"]["train"]["examples"] == 8 * len(printed["labels"])
+    assert printed["source"] == "text:mine/*.txt" and printed["documents"] == 2
+
+
+def test_bag_of_pieces_equals_sklearn(tmp_path):
+  """The fitted weights are sklearn's multinomial logistic regression's on the same
+  features (sklearn: C * sum of the losses + |W|^2 / 2, so C = 1 / (l2 * n))."""
+  from sklearn.linear_model import LogisticRegression
+  from t5x_like.finetune import bag_of_pieces
+  from t5x_like.finetune.data import read_examples
+  from t5x_like.finetune.tasks import task_from_config
+  from t5x_like.command_flags import load_config_file
+  from t5x_like.finetune.backbone import load_backbone
+  folder = str(tmp_path / "authorship")
+  text_tasks.build_text_task("authorship", UNSEEN, folder, per_class=64)
+  config = load_config_file(os.path.join(ROOT, "configs", "text_tasks.py")
+                            + f":authorship,dir={folder},smoke")
+  task = task_from_config(config.task)
+  train = read_examples(config.task.train_file, task)
+  tokenizer = load_backbone(config).tokenizer
+  x = bag_of_pieces.features(train, tokenizer, tokenizer.vocab_size)
+  y = np.array([e.label for e in train.examples])
+  l2 = 0.01
+  w = bag_of_pieces.fit(x, y, len(train.labels), l2)
+  reference = LogisticRegression(C=1 / (l2 * len(y)), max_iter=5000, tol=1e-8).fit(x, y)
+  ours = x @ w[:-1] + w[-1]
+  theirs = reference.decision_function(x)
+  # Softmax logits are defined up to a constant per row.
+  np.testing.assert_allclose(ours - ours.mean(1, keepdims=True),
+                             theirs - theirs.mean(1, keepdims=True), atol=2e-3)
+  dev = read_examples(config.task.dev_file, task, labels=train.labels)
+  test = read_examples(config.task.test_file, task, labels=train.labels)
+  result = bag_of_pieces.bag_of_pieces(train, dev, test, tokenizer)
+  assert result["l2"] in bag_of_pieces.L2_GRID and 0.5 < result["test_accuracy"] <= 1
+
+
+def test_finetune_scores_the_test_file(tmp_path, monkeypatch):
+  """configs/text_tasks.py reads train/dev/test.csv; final_metrics.json has test_*, and
+  test_predictions.jsonl one row per test example."""
+  monkeypatch.chdir(tmp_path)
+  _story("mine")
+  assert cli.main(["task", "coherence", "--source", "text:mine/*.txt", "--out",
+                   "workdir/coherence", "--per_class", "8"]) == 0
+  config = os.path.join(ROOT, "configs", "text_tasks.py") + ":coherence,smoke"
+  assert cli.main(["finetune", "--config", config, "--workdir", "ft"]) == 0
+  with open("ft/final_metrics.json") as f:
+    final = json.load(f)
+  test_rows = _rows("workdir/coherence", "test")
+  assert final["test_examples"] == len(test_rows) and 0 <= final["test_accuracy"] <= 1
+  with open("ft/test_predictions.jsonl") as f:
+    predictions = [json.loads(line) for line in f]
+  assert len(predictions) == len(test_rows)
+  assert [p["label"] for p in predictions] == [r["label"] for r in test_rows]
+  hits = [p["prediction"] == p["label"] for p in predictions]
+  assert abs(np.mean(hits) - final["test_accuracy"]) < 1e-9
