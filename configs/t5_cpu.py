@@ -2,6 +2,10 @@
 
   t5x-like train --config configs/t5_cpu.py --workdir /tmp/t5
   t5x-like train --config configs/t5_cpu.py:smoke --workdir /tmp/t5s   (tests)
+  t5x-like train --config configs/t5_cpu.py:mini --workdir /tmp/t5m    (~60 min, 2 cores)
+
+`mini`: 4 + 4 layers of 256 (4 heads of 64, gated FFN 512), 10,000 steps of 32: the
+one-hour pretraining of the text-task experiments (docs/text-tasks.md).
 """
 
 from t5x_like.train.defaults import default_config, smoke_schedule
@@ -30,6 +34,13 @@ def get_config(arg: str = ""):
                              num_heads=2, head_dim=32)
     c.model.dtype = "float32"  # bit-exact resume tests run in float32
     smoke_schedule(c)
+  elif arg == "mini":
+    c.model.overrides = dict(d_model=256, d_ff=512, num_layers=4, num_decoder_layers=4,
+                             num_heads=4, head_dim=64)
+    c.train.num_steps = 10_000
+    c.train.eval_every = 2000
+    c.train.checkpoint_every = 1000
   elif arg:
-    raise ValueError(f"configs/t5_cpu.py: unknown variant {arg!r} (expected '' or 'smoke')")
+    raise ValueError(f"configs/t5_cpu.py: unknown variant {arg!r} (expected '', 'smoke'"
+                     " or 'mini')")
   return c

@@ -24,15 +24,17 @@ VARIANTS = {
     "bert_pretrain": [("base", 32), ("large", 128), ("base,local", 8), ("large,local", 8)],
     "t5_pretrain": [("small", 32), ("base", 32), ("large", 64), ("small,local", 8)],
     "gpt2_pretrain": [("124m", 32), ("355m", 64), ("124m,local", 8)],
-    "bert_cpu": [("", 8), ("smoke", 8)],
+    "bert_cpu": [("", 8), ("smoke", 8), ("mini", 8)],
     "gpt_cpu": [("", 8), ("smoke", 8)],
-    "t5_cpu": [("", 8), ("smoke", 8)],
+    "t5_cpu": [("", 8), ("smoke", 8), ("mini", 8)],
 }
 # Fine-tuning configs (t5x-like finetune): their variants.
 FINETUNE_VARIANTS = {"finetune_books": ["bert", "t5", "bert,smoke", "t5,smoke"],
                      "glue": ["cola", "mnli,family=t5", "stsb,smoke", "rte,smoke,family=t5"],
                      "superglue": ["boolq", "cb,smoke,family=t5"],
-                     "squad": ["v1", "v2,smoke,family=t5"]}
+                     "squad": ["v1", "v2,smoke,family=t5"],
+                     "text_tasks": ["acceptability", "coherence,family=t5",
+                                    "authorship,smoke", "coherence,smoke,family=t5"]}
 
 
 load = load_config

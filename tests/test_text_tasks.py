@@ -231,3 +231,35 @@ def test_finetune_scores_the_test_file(tmp_path, monkeypatch):
   assert [p["label"] for p in predictions] == [r["label"] for r in test_rows]
   hits = [p["prediction"] == p["label"] for p in predictions]
   assert abs(np.mean(hits) - final["test_accuracy"]) < 1e-9
+
+
+@pytest.mark.slow
+def test_experiment_driver_end_to_end_and_resumes(tmp_path, capsys):
+  """The driver (smoke configs): pretraining, lr selection, every count x seed, the
+  baseline and the tables for BERT and T5; a second call runs nothing again; a
+  pretraining corpus holding a task book is refused."""
+  from t5x_like.errors import UserError
+  from t5x_like.finetune import text_task_experiment as experiment
+  workdir = str(tmp_path / "exp")
+  args = ["--workdir", workdir, "--smoke", "--pretrain", "tiny=embedded:austen_pride_and_prejudice",
+          "--task_source", "embedded:carroll_alices_adventures_in_wonderland,wells_the_time_machine",
+          "--families", "bert,t5", "--kinds", "coherence", "--counts", "16,all",
+          "--seeds", "0", "--lrs", "1e-3,3e-4", "--select_count", "16"]
+  assert experiment.main(args) == 0
+  with open(os.path.join(workdir, "results.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  arms = collections.Counter((r["family"], r["arm"]) for r in rows)
+  assert arms == {(f, a): 2 for f in ("bert", "t5") for a in ("bag", "random", "tiny")}
+  assert all(0 <= r["test_accuracy"] <= 1 for r in rows)
+  tables = open(os.path.join(workdir, "tables.md")).read()
+  assert "### BERT" in tables and "### T5" in tables and "| coherence | all |" in tables
+  runs = sorted(os.listdir(os.path.join(workdir, "runs", "bert", "tiny", "coherence")))
+  # lr selection at 16 per class, seed 0 (2 rates; the picked one is the 16 row), then all.
+  assert len([r for r in runs if not r.endswith(".log")]) == 3
+  capsys.readouterr()
+  assert experiment.main(args) == 0
+  assert " s\n" not in capsys.readouterr().out, "a second call reran something"
+  with pytest.raises(UserError, match="wells_the_time_machine"):
+    experiment.main(["--workdir", str(tmp_path / "bad"), "--smoke", "--pretrain",
+                     "x=embedded:wells_the_time_machine", "--task_source",
+                     "embedded:carroll_alices_adventures_in_wonderland,wells_the_time_machine"])
