@@ -241,8 +241,9 @@ def test_experiment_driver_end_to_end_and_resumes(tmp_path, capsys):
   from t5x_like.errors import UserError
   from t5x_like.finetune import text_task_experiment as experiment
   workdir = str(tmp_path / "exp")
-  args = ["--workdir", workdir, "--smoke", "--pretrain", "tiny=embedded:austen_pride_and_prejudice",
-          "--task_source", "embedded:carroll_alices_adventures_in_wonderland,wells_the_time_machine",
+  tasks = "embedded:carroll_alices_adventures_in_wonderland,wells_the_time_machine"
+  args = ["--workdir", workdir, "--smoke", "--pretrain",
+          "tiny=embedded:austen_pride_and_prejudice", "--task_source", tasks,
           "--families", "bert,t5", "--kinds", "coherence", "--counts", "16,all",
           "--seeds", "0", "--lrs", "1e-3,3e-4", "--select_count", "16"]
   assert experiment.main(args) == 0
@@ -261,5 +262,4 @@ def test_experiment_driver_end_to_end_and_resumes(tmp_path, capsys):
   assert " s\n" not in capsys.readouterr().out, "a second call reran something"
   with pytest.raises(UserError, match="wells_the_time_machine"):
     experiment.main(["--workdir", str(tmp_path / "bad"), "--smoke", "--pretrain",
-                     "x=embedded:wells_the_time_machine", "--task_source",
-                     "embedded:carroll_alices_adventures_in_wonderland,wells_the_time_machine"])
+                     "x=embedded:wells_the_time_machine", "--task_source", tasks])
