@@ -1,8 +1,8 @@
 """`t5x-like task KIND --out DIR`: build a fine-tuning task.
 
-  authorship     which author wrote a passage      } from any text: --source SPEC (the
-  acceptability  a sentence as written or corrupted } `train` forms); train/dev/test.csv
-  coherence      two sentences consecutive or not   } and stats.json, --per-class N
+  authorship     which author wrote a passage           from any text (--source SPEC, the
+  acceptability  a sentence as written or corrupted     `train` forms): train/dev/test.csv
+  coherence      two sentences consecutive or not       and stats.json; --per_class N
                  (t5x_like/finetune/text_tasks.py)
 
   books          which of the eight books a passage is from; writes the task and the
@@ -60,6 +60,9 @@ def _ood_flags(argv: list[str]) -> flags.FlagValues:
   return fv
 
 
+TEXT_TASKS = ("authorship", "acceptability", "coherence")  # finetune/text_tasks.KINDS
+
+
 def _text_task_flags(argv: list[str]) -> flags.FlagValues:
   del argv
   fv = flags.FlagValues()
@@ -70,8 +73,8 @@ def _text_task_flags(argv: list[str]) -> flags.FlagValues:
                       flag_values=fv)
   flags.DEFINE_integer("per_class", 0, "training examples per label (acceptability:"
                        " sentences, each as written and corrupted); 0 = all", flag_values=fv)
-  flags.DEFINE_integer("seed", 0, "seed of the corruptions, negatives and --per-class"
-                       " choice", flag_values=fv)
+  flags.DEFINE_integer("seed", 0, "picks the --per_class subset (dev and test do not"
+                       " depend on it)", flag_values=fv)
   flags.DEFINE_integer("regions", 10, "regions per document; region r goes to train (r %"
                        " 5 < 3), dev (3) or test (4)", flag_values=fv)
   flags.DEFINE_integer("min_words", 6, "shortest usable sentence, in words", flag_values=fv)
@@ -86,7 +89,7 @@ def _text_task_flags(argv: list[str]) -> flags.FlagValues:
 
 def main(argv: list[str]) -> int:
   which, argv = choose_subcommand("task", argv, SUBCOMMANDS, doc=__doc__)
-  if which in ("authorship", "acceptability", "coherence"):
+  if which in TEXT_TASKS:
     fv, _ = parse_flags_and_args(f"task {which}", argv, _text_task_flags,
                                  required=("source", "out"), doc=SUBCOMMANDS[which],
                                  positionals="")
