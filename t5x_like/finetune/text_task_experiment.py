@@ -28,7 +28,6 @@ and a second call with more arms, seeds or families adds only the missing runs:
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import json
@@ -40,7 +39,9 @@ import time
 from typing import Optional
 
 import numpy as np
+from absl import flags
 
+from t5x_like.command_flags import FlagError, HelpShown, parse_flags_and_args, print_error
 from t5x_like.errors import UserError
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
@@ -202,41 +203,58 @@ def tables(rows: list[dict], arms: list[str]) -> str:
   return "\n".join(out) + "\n"
 
 
+PROG = "python -m t5x_like.finetune.text_task_experiment"
+
+
+def _flags(argv: list[str]) -> flags.FlagValues:
+  del argv
+  fv = flags.FlagValues()
+  flags.DEFINE_string("workdir", None, "where every stage writes", flag_values=fv)
+  flags.DEFINE_multi_string("pretrain", [], "NAME=SPEC: a pretraining corpus (a source"
+                            " spec); repeat for several corpora, or with the same NAME to"
+                            " join several sources into one", flag_values=fv)
+  flags.DEFINE_string("task_source", UNSEEN, "the text the tasks are built from",
+                      flag_values=fv)
+  flags.DEFINE_list("families", ["bert"], "bert and/or t5", flag_values=fv)
+  flags.DEFINE_list("kinds", list(KINDS), "task kinds", flag_values=fv)
+  flags.DEFINE_list("counts", ["16", "64", "256", "all"], "labels per class (all = every"
+                    " one)", flag_values=fv)
+  flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds", flag_values=fv)
+  flags.DEFINE_list("lrs", ["1e-4", "3e-4", "1e-3"], "the learning-rate grid",
+                    flag_values=fv)
+  flags.DEFINE_string("select_count", "256", "labels per class of the lr selection",
+                      flag_values=fv)
+  flags.DEFINE_bool("random", True, "also the random-initialisation arm", flag_values=fv)
+  flags.DEFINE_bool("smoke", False, "tiny configs, 10 steps (tests)", flag_values=fv)
+  return fv
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-  p = argparse.ArgumentParser(prog="python -m t5x_like.finetune.text_task_experiment",
-                              description=__doc__.split("\n\n")[0])
-  p.add_argument("--workdir", required=True)
-  p.add_argument("--pretrain", action="append", default=[], metavar="NAME=SPEC",
-                 help="a pretraining corpus (a source spec); repeat for several corpora,"
-                      " or with the same NAME to join several sources into one")
-  p.add_argument("--task_source", default=UNSEEN, help="the text the tasks are built from")
-  p.add_argument("--families", default="bert", help="bert and/or t5, comma-separated")
-  p.add_argument("--kinds", default=",".join(KINDS))
-  p.add_argument("--counts", default="16,64,256,all", help="labels per class (all = every)")
-  p.add_argument("--seeds", default="0,1,2")
-  p.add_argument("--lrs", default="1e-4,3e-4,1e-3")
-  p.add_argument("--select_count", default="256", help="label count of the lr selection")
-  p.add_argument("--random", default=True, action=argparse.BooleanOptionalAction,
-                 help="also the random-initialisation arm")
-  p.add_argument("--smoke", action="store_true", help="tiny configs, 10 steps (tests)")
-  a = p.parse_args(argv)
-  parse_count = lambda c: 0 if c == "all" else int(c)
-  counts = [parse_count(c) for c in a.counts.split(",")]
-  seeds = [int(s) for s in a.seeds.split(",")]
-  lrs = [float(x) for x in a.lrs.split(",")]
-  select = parse_count(a.select_count)
-  kinds = a.kinds.split(",")
+  a, _ = parse_flags_and_args("text-task experiment", sys.argv[1:] if argv is None else argv,
+                              _flags, required=("workdir",), doc=__doc__, positionals="",
+                              prog=PROG)
+  try:
+    counts = [parse_count(c) for c in a.counts]
+    seeds = [int(s) for s in a.seeds]
+    lrs = [float(x) for x in a.lrs]
+    select = parse_count(a.select_count)
+  except ValueError as e:
+    raise FlagError(f"--counts, --seeds, --lrs or --select_count: {e}") from None
+  unknown = set(a.kinds) - set(KINDS) or set(a.families) - {"bert", "t5"}
+  if unknown:
+    raise FlagError(f"--kinds or --families: unknown {sorted(unknown)}")
+  kinds = list(a.kinds)
   corpora: dict[str, list[str]] = {}
   for item in a.pretrain:
     name, sep, spec = item.partition("=")
     if not sep or not name or not spec:
-      p.error(f"--pretrain {item!r}: expected NAME=SPEC")
+      raise FlagError(f"--pretrain {item!r}: expected NAME=SPEC")
     corpora.setdefault(name, []).append(spec)
   workdir = os.path.abspath(a.workdir)
   results = os.path.join(workdir, "results.jsonl")
   rows = []
   arms = (["random"] if a.random else []) + list(corpora)
-  for family in a.families.split(","):
+  for family in a.families:
     checkpoints = {"random": ""}
     for name, specs in corpora.items():
       corpus_glob = write_corpus(name, specs, a.task_source, workdir)
@@ -269,5 +287,16 @@ def main(argv: Optional[list[str]] = None) -> int:
   return 0
 
 
+def parse_count(count: str) -> int:
+  """'all' -> 0 (every example), else the number."""
+  return 0 if count == "all" else int(count)
+
+
 if __name__ == "__main__":
-  sys.exit(main())
+  try:
+    sys.exit(main())
+  except HelpShown:
+    sys.exit(0)
+  except UserError as e:
+    print_error(PROG, e, debug=False)
+    sys.exit(2)
