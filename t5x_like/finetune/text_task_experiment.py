@@ -264,7 +264,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for seed in seeds:
           task_dir = build_task(kind, count, seed, a.task_source, workdir)
           rows.append(dict(family=family, kind=kind, count=count, seed=seed, arm="bag",
-                           **{k: v for k, v in baseline(family, task_dir, workdir).items()}))
+                           **baseline(family, task_dir, workdir)))
       for arm in arms:
         select_dir = build_task(kind, select, 0, a.task_source, workdir)
         dev = {lr: finetune(family, arm, kind, select_dir, lr, 0, checkpoints[arm], workdir,

@@ -305,9 +305,8 @@ def build_text_task(kind: str, source_spec: str, out_dir: str, *,
     else:
       rows, extra = _coherence(docs, rng, regions=regions, min_distance=min_distance)
       unit = "sentence pairs"
-  labels = sorted({row[-1] for split in rows.values() for _, row in split})
-  if kind in LABELS:
-    labels = list(LABELS[kind])
+  labels = list(LABELS[kind]) if kind in LABELS else sorted(
+      {row[-1] for split in rows.values() for _, row in split})
   for split in SPLITS:
     have = collections.Counter(row[-1] for _, row in rows[split])
     missing = [label for label in labels if not have[label]]
