@@ -14,6 +14,7 @@ import io
 import json
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -260,6 +261,36 @@ def test_experiment_driver_end_to_end_and_resumes(tmp_path, capsys):
   capsys.readouterr()
   assert experiment.main(args) == 0
   assert " s\n" not in capsys.readouterr().out, "a second call reran something"
+  # a fine-tuning variant: its own runs (and lr pick), its own table; bag rows shared
+  variant = ["--variant", "cls", "--set", "task.pooling=cls", "--set", "task.pooler=True",
+             "--families", "bert", "--norandom"]
+  assert experiment.main(args + variant) == 0
+  runs = os.listdir(os.path.join(workdir, "runs", "bert", "tiny", "coherence"))
+  assert len([r for r in runs if r.endswith("_steps10_cls")]) == 3
+  tables = open(os.path.join(workdir, "tables.md")).read()
+  assert "### BERT (cls)" in tables and "### T5" not in tables
   with pytest.raises(UserError, match="wells_the_time_machine"):
     experiment.main(["--workdir", str(tmp_path / "bad"), "--smoke", "--pretrain",
                      "x=embedded:wells_the_time_machine", "--task_source", tasks])
+
+
+def test_experiment_step_budget():
+  """20 epochs of 32 within 100-300 steps; 5 epochs (at most 1,000) once those pass 300."""
+  from t5x_like.finetune.text_task_experiment import steps_for
+  budgets = {32: 100, 128: 100, 200: 125, 512: 300, 768: 300, 1476: 300, 1920: 300,
+             3000: 469, 6454: 1000, 100_000: 1000}
+  assert {n: steps_for(n) for n in budgets} == budgets
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--set", "task.pooling=cls"], "--set and --variant go together"),
+    (["--variant", "v", "--set", "task.pooling"], "--set 'task.pooling': expected KEY=VALUE"),
+    (["--counts", "16,many"], "--counts"),
+    (["--kinds", "sentiment"], "unknown ['sentiment']"),
+])
+def test_experiment_flag_errors(tmp_path, flags, message):
+  from t5x_like.command_flags import FlagError
+  from t5x_like.finetune import text_task_experiment as experiment
+  with pytest.raises(FlagError, match=re.escape(message)):
+    experiment.main(["--workdir", str(tmp_path / "w"), *flags])
+  assert not os.path.exists(tmp_path / "w")

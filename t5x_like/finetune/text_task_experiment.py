@@ -18,8 +18,9 @@ and a second call with more arms, seeds or families adds only the missing runs:
   lr        per family, arm (random, or pretrained on NAME) and kind: each learning
             rate of --lrs at --select_count labels per class, seed 0; the best dev
             accuracy picks the arm's rate
-  finetune  every label count x seed at the picked rate (configs/text_tasks.py; at
-            most 300 steps of 32, at least 100 and 20 epochs)
+  finetune  every label count x seed at the picked rate (configs/text_tasks.py, with
+            --set's settings; the step budget of steps_for), in
+            WORKDIR/runs/FAMILY/ARM/KIND/N_sS_lrLR_stepsK[_VARIANT]
   baseline  the bag-of-pieces logistic regression (finetune/bag_of_pieces.py) on
             every task folder
   tables    WORKDIR/results.jsonl (one row per run) and WORKDIR/tables.md: test
@@ -71,8 +72,15 @@ def count_name(count: int) -> str:
 
 
 def steps_for(train_examples: int, batch_size: int = 32) -> int:
-  """20 epochs, at least 100 steps and at most 300 (the config's)."""
-  return int(min(300, max(100, math.ceil(20 * train_examples / batch_size))))
+  """The fine-tuning budget: 20 epochs within 100-300 steps; a training set whose 5
+  epochs take more than 300 steps gets those 5 epochs, at most 1,000 steps.
+
+  Every set of up to 256 labels per class (and 3 classes) ends in 100-300 steps; the
+  larger "all" sets get enough passes to leave the chance-level loss a short budget
+  leaves them at (acceptability's 6,454 sentences: 1,000 steps instead of 300).
+  """
+  epoch = train_examples / batch_size
+  return int(min(1000, max(100, math.ceil(min(20 * epoch, max(300, 5 * epoch))))))
 
 
 # --------------------------------------------------------------------------- stages
@@ -127,25 +135,30 @@ def build_task(kind: str, count: int, seed: int, task_spec: str, workdir: str) -
 
 
 def finetune(family: str, arm: str, kind: str, task_dir: str, lr: float, seed: int,
-             checkpoint: str, workdir: str, smoke: bool) -> dict:
-  """final_metrics.json of one fine-tuning run (run when missing)."""
+             checkpoint: str, workdir: str, smoke: bool,
+             variant: tuple[str, list[str]] = ("", [])) -> dict:
+  """final_metrics.json of one fine-tuning run (run when missing). The run's folder
+  names its step budget and variant (NAME, its `KEY=VALUE` config settings), so a
+  changed budget or variant is a new run."""
+  with open(os.path.join(task_dir, "stats.json")) as f:
+    train_examples = json.load(f)["splits"]["train"]["examples"]
+  steps = 10 if smoke else steps_for(train_examples)
+  name, settings = variant
   run = os.path.join(workdir, "runs", family, arm, kind,
-                     f"{os.path.basename(task_dir)}_lr{lr:g}")
+                     f"{os.path.basename(task_dir)}_lr{lr:g}_steps{steps}"
+                     + (f"_{name}" if name else ""))
   metrics_file = os.path.join(run, "final_metrics.json")
   if not os.path.exists(metrics_file):
-    with open(os.path.join(task_dir, "stats.json")) as f:
-      train_examples = json.load(f)["splits"]["train"]["examples"]
     arg = f"{kind},family={family},dir={task_dir}" + (",smoke" if smoke else "")
     args = ["finetune", "--config", os.path.join(CONFIGS, f"text_tasks.py:{arg}"),
             "--workdir", run, f"--config.optimizer.learning_rate={lr}",
-            f"--config.seed={seed}"]
-    if not smoke:
-      args.append(f"--config.train.num_steps={steps_for(train_examples)}")
+            f"--config.seed={seed}", f"--config.train.num_steps={steps}",
+            *(f"--config.{s}" for s in settings)]
     if checkpoint:
       args.append(f"--config.init.checkpoint={checkpoint}")
     started = time.time()
     t5x_like(*args, log_file=run + ".log")
-    log(f"{family} {arm} {kind} {os.path.basename(task_dir)} lr {lr:g}: "
+    log(f"{family} {arm} {kind} {os.path.basename(run)}: "
         f"{time.time() - started:.0f} s")
   with open(metrics_file) as f:
     return json.load(f)
@@ -176,29 +189,34 @@ def baseline(family: str, task_dir: str, workdir: str) -> dict:
 
 # --------------------------------------------------------------------------- tables
 def tables(rows: list[dict], arms: list[str]) -> str:
-  """Markdown: per family, rows kind x label count, columns bag / each arm, test
-  accuracy mean (min-max) over the seeds; the pretrained arms' margins over random."""
+  """Markdown: per family (and fine-tuning variant), rows kind x label count, columns
+  bag / each arm, test accuracy mean (min-max) over the seeds; the pretrained arms'
+  margins over random."""
   cell = collections.defaultdict(list)
   for r in rows:
-    cell[r["family"], r["kind"], r["count"], r["arm"]].append(r["test_accuracy"])
+    cell[r["family"], r.get("variant", ""), r["kind"], r["count"], r["arm"]].append(
+        r["test_accuracy"])
   out = []
-  for family in sorted({r["family"] for r in rows}):
-    shown = [a for a in arms if any(k[0] == family and k[3] == a for k in cell)]
+  for family, variant in sorted({(k[0], k[1]) for k in cell if k[4] != "bag"}):
+    def values(kind, count, arm):
+      return cell.get((family, "" if arm == "bag" else variant, kind, count, arm), [])
+    shown = [a for a in arms if any(k[:2] == (family, variant) and k[4] == a for k in cell)]
     pretrained = [a for a in shown if a != "random"]
-    out.append(f"\n### {family.upper()}: test accuracy, mean (range) over seeds\n")
+    out.append(f"\n### {family.upper()}{f' ({variant})' if variant else ''}: test"
+               " accuracy, mean (range) over seeds\n")
     out.append("| task | labels per class | bag of pieces | " + " | ".join(
         "random init" if a == "random" else f"pretrained on {a}" for a in shown)
         + "".join(f" | {a} - random" for a in pretrained) + " |")
     out.append("|---" * (3 + len(shown) + len(pretrained)) + "|")
     for kind in KINDS:
-      counts = sorted({k[2] for k in cell if k[0] == family and k[1] == kind},
+      counts = sorted({k[3] for k in cell if k[:3] == (family, variant, kind)},
                       key=lambda c: c or 10**9)
       for count in counts:
-        values = {a: cell.get((family, kind, count, a), []) for a in ["bag", *shown]}
-        fmt = [f"{np.mean(v):.3f} ({min(v):.3f}-{max(v):.3f})" if len(v) > 1 else
-               (f"{v[0]:.3f}" if v else "") for v in values.values()]
-        margins = [f"{np.mean(values[a]) - np.mean(values['random']):+.3f}"
-                   if values[a] and values.get("random") else "" for a in pretrained]
+        v = {a: values(kind, count, a) for a in ["bag", *shown]}
+        fmt = [f"{np.mean(x):.3f} ({min(x):.3f}-{max(x):.3f})" if len(x) > 1 else
+               (f"{x[0]:.3f}" if x else "") for x in v.values()]
+        margins = [f"{np.mean(v[a]) - np.mean(v['random']):+.3f}"
+                   if v[a] and v.get("random") else "" for a in pretrained]
         out.append(f"| {kind} | {count_name(count)} | " + " | ".join(fmt + margins) + " |")
   return "\n".join(out) + "\n"
 
@@ -224,6 +242,11 @@ def _flags(argv: list[str]) -> flags.FlagValues:
                     flag_values=fv)
   flags.DEFINE_string("select_count", "256", "labels per class of the lr selection",
                       flag_values=fv)
+  flags.DEFINE_string("variant", "", "a name for the fine-tuning settings of --set (in"
+                      " the run folders and the tables)", flag_values=fv)
+  flags.DEFINE_multi_string("set", [], "KEY=VALUE: a setting of configs/text_tasks.py"
+                            " for every fine-tuning run, e.g. task.pooling=cls (needs"
+                            " --variant)", flag_values=fv)
   flags.DEFINE_bool("random", True, "also the random-initialisation arm", flag_values=fv)
   flags.DEFINE_bool("smoke", False, "tiny configs, 10 steps (tests)", flag_values=fv)
   return fv
@@ -244,6 +267,11 @@ def main(argv: Optional[list[str]] = None) -> int:
   if unknown:
     raise FlagError(f"--kinds or --families: unknown {sorted(unknown)}")
   kinds = list(a.kinds)
+  bad = [x for x in a.set if "=" not in x or x.startswith("=")]
+  if bad or bool(a.set) != bool(a.variant):
+    raise FlagError(f"--set {bad[0]!r}: expected KEY=VALUE" if bad else
+                    "--set and --variant go together: the variant names the settings")
+  variant = (a.variant, list(a.set))
   corpora: dict[str, list[str]] = {}
   for item in a.pretrain:
     name, sep, spec = item.partition("=")
@@ -268,17 +296,19 @@ def main(argv: Optional[list[str]] = None) -> int:
       for arm in arms:
         select_dir = build_task(kind, select, 0, a.task_source, workdir)
         dev = {lr: finetune(family, arm, kind, select_dir, lr, 0, checkpoints[arm], workdir,
-                            a.smoke)["accuracy"] for lr in lrs}
+                            a.smoke, variant)["accuracy"] for lr in lrs}
         best = max(lrs, key=lambda lr: (dev[lr], -lr))
-        log(f"{family} {arm} {kind}: dev accuracy by lr {dev}; picked {best:g}")
+        log(f"{family} {arm} {kind}{f' ({a.variant})' if a.variant else ''}: dev accuracy"
+            f" by lr {dev}; picked {best:g}")
         for count in counts:
           for seed in seeds:
             task_dir = build_task(kind, count, seed, a.task_source, workdir)
             m = finetune(family, arm, kind, task_dir, best, seed, checkpoints[arm], workdir,
-                         a.smoke)
+                         a.smoke, variant)
             rows.append(dict(family=family, kind=kind, count=count, seed=seed, arm=arm,
-                             lr=best, dev_accuracy=m["accuracy"],
-                             test_accuracy=m["test_accuracy"], seconds=m["seconds"]))
+                             variant=a.variant, lr=best, steps=m["step"],
+                             dev_accuracy=m["accuracy"], test_accuracy=m["test_accuracy"],
+                             seconds=m["seconds"]))
       with open(results, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
       with open(os.path.join(workdir, "tables.md"), "w") as f:
