@@ -153,12 +153,14 @@ def test_uniforms_are_splitmix64_and_uniform():
 BIG = random_store(7, 3000, (1, 30), (5, 60))
 
 
-def untruncated(store, seed, max_seq_length=128, short_seq_prob=0.0, nsp=True):
+def untruncated(store, seed, max_seq_length=128, short_seq_prob=0.0, nsp=True,
+                same_document=False):
   rng = np.random.default_rng(seed)
   key, order = int(rng.integers(0, 2 ** 63)), rng.permutation(store.num_docs)
   return key, instance_spans(store.sentence_offsets, store.doc_sentences, order, key,
                              max_tokens=max_seq_length - (3 if nsp else 2),
-                             short_seq_prob=short_seq_prob, nsp=nsp)
+                             short_seq_prob=short_seq_prob, nsp=nsp,
+                             same_document=same_document)
 
 
 def test_nsp_labels_and_cuts_are_balanced_on_multi_sentence_chunks():
@@ -246,6 +248,48 @@ def test_not_next_b_is_another_document_and_is_next_b_follows_a():
   assert (b_doc[plan.nsp_label == 1] != a_doc[plan.nsp_label == 1]).all()
   assert (b_doc[plan.nsp_label == 0] == a_doc[plan.nsp_label == 0]).all()
   assert (plan.b_start >= plan.a_start + plan.a_len)[plan.nsp_label == 0].all()
+
+
+def test_same_document_negatives_come_from_elsewhere_in_a_s_document():
+  """nsp_negatives="same_document": the same A spans, labels and IsNext Bs as BERT's
+  plan; a NotNext B starts at a sentence of A's document outside A's chunk, uniformly
+  over those sentences, and stays out of the chunk; a chunk that is its whole
+  document takes B from another document."""
+  store = BIG
+  offsets, doc_sentences = store.sentence_offsets, store.doc_sentences
+  sentence = lambda x: np.searchsorted(offsets, x, side="right") - 1  # noqa: E731
+  doc_of = lambda x: np.searchsorted(store.doc_offsets, x, side="right") - 1  # noqa: E731
+  _, bert = untruncated(store, 4)
+  _, (a_start, a_end, b_start, b_end, label) = untruncated(store, 4, same_document=True)
+  for got, want in zip((a_start, a_end, label), (bert[0], bert[1], bert[4])):
+    np.testing.assert_array_equal(got, want)
+  is_next = label == 0
+  np.testing.assert_array_equal(b_start[is_next], bert[2][is_next])
+  np.testing.assert_array_equal(b_end[is_next], bert[3][is_next])
+  doc = doc_of(a_start)
+  first, last = doc_sentences[doc], doc_sentences[doc + 1]
+  cursor = sentence(a_start)
+  end = np.minimum(np.searchsorted(offsets, a_start + 125), last)  # the chunk's end
+  outside = (last - first) - (end - cursor)
+  own, elsewhere = ~is_next & (outside > 0), ~is_next & (outside == 0)
+  assert own.sum() > 5_000 and elsewhere.sum() > 100
+  assert (doc_of(b_start[elsewhere]) != doc[elsewhere]).all()
+  s, e = sentence(b_start[own]), sentence(b_end[own] - 1)
+  assert (doc_of(b_start[own]) == doc[own]).all()
+  np.testing.assert_array_equal(offsets[s], b_start[own])  # whole sentences
+  before = s < cursor[own]
+  assert (e[before] < cursor[own][before]).all()  # B stops before the chunk
+  assert (s[~before] >= end[own][~before]).all() and (e <= last[own] - 1).all()
+  rank = np.where(before, s - first[own], s - first[own] - (end - cursor)[own])
+  u = (rank + 0.5) / outside[own]  # uniform over the outside sentences: mean 1/2
+  assert (rank >= 0).all() and (rank < outside[own]).all()
+  assert abs(u.mean() - 0.5) < 5 * np.sqrt(1 / 12 / len(u))
+  plan = build_plan(store, np.random.default_rng(4), max_seq_length=128,
+                    nsp_negatives="same_document")
+  assert (plan.a_len + plan.b_len <= 125).all() and (plan.b_len >= 1).all()
+  with pytest.raises(ValueError, match="nsp_negatives='shuffled'"):
+    build_plan(store, np.random.default_rng(4), max_seq_length=128,
+               nsp_negatives="shuffled")
 
 
 def test_plan_is_a_function_of_the_generator_and_visits_documents_in_permuted_order():

@@ -26,6 +26,7 @@ SHORT, SHORT_LEN, CUT, COIN, OTHER, START = range(6)
 _PAIR_SLOTS = np.array([CUT, COIN, OTHER, START])
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+NSP_NEGATIVES = ("other_document", "same_document")
 _U64 = {k: np.uint64(k) for k in (1, 11, 27, 30, 31, 32)}
 
 
@@ -109,10 +110,14 @@ def _sentences_step(offsets, cursor, last, target):
   return a_start, offsets[end], zero, zero, zero, end
 
 
-def _pair_step(offsets, doc_sentences, key, t, doc, cursor, last, target):
+def _pair_step(offsets, doc_sentences, key, t, doc, cursor, last, target, same_document):
   """nsp=True, the t-th instance of every active document (create_instances_from_document's
   chunk, cut and B). All [A] int64 (doc: document index); -> (a_start, a_end, b_start,
-  b_end, label 1 = NotNext, next cursor) [A]."""
+  b_end, label 1 = NotNext, next cursor) [A].
+
+  same_document: a NotNext B starts at a sentence of A's own document outside the chunk
+  (uniform over them) and stops before the chunk; a chunk that is its whole document
+  takes B from another document, as without the option."""
   a_start = offsets[cursor]
   end = np.minimum(np.searchsorted(offsets, a_start + target, "left"), last)
   size = end - cursor  # the chunk: sentences cursor .. end - 1
@@ -130,6 +135,14 @@ def _pair_step(offsets, doc_sentences, key, t, doc, cursor, last, target):
       other += other >= doc[n]
     o_first, o_last = doc_sentences[other], doc_sentences[other + 1]
     s = randint(u_start[n], o_first, o_last - 1)
+    if same_document:
+      first = doc_sentences[doc[n]]
+      outside = (last[n] - first) - size[n]  # sentences of A's document not in the chunk
+      own = outside > 0
+      s_own = randint(u_start[n], first, first + np.maximum(outside, 1) - 1)
+      s_own += np.where(s_own >= cursor[n], size[n], 0)  # skip over the chunk
+      s = np.where(own, s_own, s)
+      o_last = np.where(own & (s < cursor[n]), cursor[n], np.where(own, last[n], o_last))
     need = offsets[s] + target[n] - (a_end[n] - a_start[n])
     b_end[n] = offsets[np.clip(_search(offsets, need), s + 1, o_last)]
     b_start[n] = offsets[s]
@@ -138,8 +151,8 @@ def _pair_step(offsets, doc_sentences, key, t, doc, cursor, last, target):
 
 
 def instance_spans(offsets: np.ndarray, doc_sentences: np.ndarray, order: np.ndarray,
-                   key: int, *, max_tokens: int, short_seq_prob: float, nsp: bool
-                   ) -> tuple[np.ndarray, ...]:
+                   key: int, *, max_tokens: int, short_seq_prob: float, nsp: bool,
+                   same_document: bool = False) -> tuple[np.ndarray, ...]:
   """Untruncated instances in (order, then instance number) order.
 
   offsets: [S + 1], doc_sentences: [D + 1], order: [D] int64 (a permutation of the
@@ -155,7 +168,8 @@ def instance_spans(offsets: np.ndarray, doc_sentences: np.ndarray, order: np.nda
   t = 0
   while len(doc):
     if nsp:
-      *spans, cursor = _pair_step(offsets, doc_sentences, key, t, doc, cursor, last, target)
+      *spans, cursor = _pair_step(offsets, doc_sentences, key, t, doc, cursor, last, target,
+                                  same_document)
     else:
       *spans, cursor = _sentences_step(offsets, cursor, last, target)
     ranks.append(rank)
@@ -185,12 +199,19 @@ def _document_order(ranks, parts, num_docs) -> tuple[np.ndarray, ...]:
 
 
 def build_plan(store: TokenStore, rng: np.random.Generator, *, max_seq_length: int,
-               short_seq_prob: float = 0.1, nsp: bool = True) -> BertPlan:
+               short_seq_prob: float = 0.1, nsp: bool = True,
+               nsp_negatives: str = "other_document") -> BertPlan:
   """All instances of one epoch (documents in a permuted order, then instance order).
+
+  nsp_negatives: where a NotNext B comes from: "other_document" (BERT) or
+  "same_document" (elsewhere in A's document: a topic-matched negative, so NSP has to
+  judge continuity, not topic; see _pair_step).
 
   Draws from rng: a key (integers in [0, 2^63)), the document order, then the
   truncation's front drops (binomial for A, then for B, over the whole plan).
   """
+  if nsp_negatives not in NSP_NEGATIVES:
+    raise ValueError(f"nsp_negatives={nsp_negatives!r}: expected one of {NSP_NEGATIVES}")
   max_tokens = max_seq_length - (3 if nsp else 2)
   if max_tokens < 2:
     raise ValueError(f"max_seq_length={max_seq_length} is too short for BERT instances")
@@ -202,7 +223,8 @@ def build_plan(store: TokenStore, rng: np.random.Generator, *, max_seq_length: i
   order = rng.permutation(len(doc_sentences) - 1)
   a_start, a_end, b_start, b_end, label = instance_spans(
       offsets, doc_sentences, order, key, max_tokens=max_tokens,
-      short_seq_prob=short_seq_prob, nsp=nsp)
+      short_seq_prob=short_seq_prob, nsp=nsp,
+      same_document=nsp_negatives == "same_document")
   a_len, b_len = a_end - a_start, b_end - b_start
   if nsp:
     drop_a, drop_b = truncation_drops(a_len, b_len, max_tokens)

@@ -16,6 +16,8 @@ any example is regenerated without replaying the epoch.
 Deliberate differences from the reference, all distribution-preserving or fixes:
 - a NotNext B is drawn uniformly from the *other* documents (the reference retries
   10 times and may, with probability (1/D)^10, keep the same document);
+  nsp_negatives="same_document" (not in the reference) draws it from elsewhere in A's
+  own document instead, so NSP cannot be solved by topic alone (bert_plan._pair_step);
 - the plan's draws are counter-based uniforms (above), not the reference's one
   sequential stream: the same distributions;
 - truncation draws the number of front drops of each side as Binomial(drops, 1/2)
@@ -43,7 +45,7 @@ from typing import Optional
 import numpy as np
 
 from t5x_like.data.bert_plan import (  # noqa: F401 (re-exported)
-    BertPlan, build_plan, truncation_drops)
+    NSP_NEGATIVES, BertPlan, build_plan, truncation_drops)
 from t5x_like.data.objective import (Example, Objective, ObjectiveSpec, example_rng,
                                      require_special_ids)
 from t5x_like.data.store import TokenStore
@@ -68,6 +70,7 @@ class BertPretraining(Objective):
   def __init__(self, store: TokenStore, seed: int, *, max_seq_length: int = 128,
                max_predictions_per_seq: int = 20, masked_lm_prob: float = 0.15,
                short_seq_prob: float = 0.1, nsp: bool = True,
+               nsp_negatives: str = "other_document",
                whole_word_masking: bool = False, cls_id: int, sep_id: int, mask_id: int,
                pad_id: int = 0, vocab_size: int, word_start: Optional[np.ndarray] = None):
     if whole_word_masking and (word_start is None or len(word_start) < vocab_size):
@@ -76,7 +79,10 @@ class BertPretraining(Objective):
     self.store, self.seed = store, seed
     self.max_seq_length, self.max_predictions = max_seq_length, max_predictions_per_seq
     self.masked_lm_prob, self.short_seq_prob = masked_lm_prob, short_seq_prob
-    self.nsp, self.whole_word_masking = nsp, whole_word_masking
+    if nsp_negatives not in NSP_NEGATIVES:
+      raise ValueError(f"nsp_negatives={nsp_negatives!r}: expected one of {NSP_NEGATIVES}")
+    self.nsp, self.nsp_negatives = nsp, nsp_negatives
+    self.whole_word_masking = whole_word_masking
     self.cls_id, self.sep_id, self.mask_id, self.pad_id = cls_id, sep_id, mask_id, pad_id
     self.vocab_size = vocab_size
     self.word_start = None if word_start is None else np.asarray(word_start, bool)
@@ -88,7 +94,8 @@ class BertPretraining(Objective):
     if plan is None:
       plan = build_plan(self.store, np.random.default_rng([self.seed, epoch]),
                         max_seq_length=self.max_seq_length,
-                        short_seq_prob=self.short_seq_prob, nsp=self.nsp)
+                        short_seq_prob=self.short_seq_prob, nsp=self.nsp,
+                        nsp_negatives=self.nsp_negatives)
     self._plans[epoch] = plan
     while len(self._plans) > 2:
       del self._plans[next(iter(self._plans))]

@@ -30,6 +30,7 @@ and a second call with more arms, seeds or families adds only the missing runs:
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import glob
 import json
 import math
@@ -248,6 +249,7 @@ def _flags(argv: list[str]) -> flags.FlagValues:
                             " for every fine-tuning run, e.g. task.pooling=cls (needs"
                             " --variant)", flag_values=fv)
   flags.DEFINE_bool("random", True, "also the random-initialisation arm", flag_values=fv)
+  flags.DEFINE_integer("jobs", 1, "fine-tuning runs at once", flag_values=fv)
   flags.DEFINE_bool("smoke", False, "tiny configs, 10 steps (tests)", flag_values=fv)
   return fv
 
@@ -263,6 +265,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     select = parse_count(a.select_count)
   except ValueError as e:
     raise FlagError(f"--counts, --seeds, --lrs or --select_count: {e}") from None
+  if a.jobs < 1:
+    raise FlagError(f"--jobs {a.jobs}: expected at least 1")
   unknown = set(a.kinds) - set(KINDS) or set(a.families) - {"bert", "t5"}
   if unknown:
     raise FlagError(f"--kinds or --families: unknown {sorted(unknown)}")
@@ -287,32 +291,38 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name, specs in corpora.items():
       corpus_glob = write_corpus(name, specs, a.task_source, workdir)
       checkpoints[name] = pretrain(family, name, corpus_glob, workdir, a.smoke)
+    tasks = {(kind, count, seed): build_task(kind, count, seed, a.task_source, workdir)
+             for kind in kinds for count in {*counts, select} for seed in {*seeds, 0}}
     for kind in kinds:
       for count in counts:
         for seed in seeds:
-          task_dir = build_task(kind, count, seed, a.task_source, workdir)
           rows.append(dict(family=family, kind=kind, count=count, seed=seed, arm="bag",
-                           **baseline(family, task_dir, workdir)))
-      for arm in arms:
-        select_dir = build_task(kind, select, 0, a.task_source, workdir)
-        dev = {lr: finetune(family, arm, kind, select_dir, lr, 0, checkpoints[arm], workdir,
-                            a.smoke, variant)["accuracy"] for lr in lrs}
-        best = max(lrs, key=lambda lr: (dev[lr], -lr))
-        log(f"{family} {arm} {kind}{f' ({a.variant})' if a.variant else ''}: dev accuracy"
-            f" by lr {dev}; picked {best:g}")
-        for count in counts:
-          for seed in seeds:
-            task_dir = build_task(kind, count, seed, a.task_source, workdir)
-            m = finetune(family, arm, kind, task_dir, best, seed, checkpoints[arm], workdir,
-                         a.smoke, variant)
-            rows.append(dict(family=family, kind=kind, count=count, seed=seed, arm=arm,
-                             variant=a.variant, lr=best, steps=m["step"],
-                             dev_accuracy=m["accuracy"], test_accuracy=m["test_accuracy"],
-                             seconds=m["seconds"]))
-      with open(results, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-      with open(os.path.join(workdir, "tables.md"), "w") as f:
-        f.write(tables(rows, arms))
+                           **baseline(family, tasks[kind, count, seed], workdir)))
+    with concurrent.futures.ThreadPoolExecutor(a.jobs) as pool:
+      def run(arm, kind, count, seed, lr):
+        return pool.submit(finetune, family, arm, kind, tasks[kind, count, seed], lr, seed,
+                           checkpoints[arm], workdir, a.smoke, variant)
+      grid = {(arm, kind, lr): run(arm, kind, select, 0, lr)
+              for kind in kinds for arm in arms for lr in lrs}
+      best = {}
+      for kind in kinds:
+        for arm in arms:
+          dev = {lr: grid[arm, kind, lr].result()["accuracy"] for lr in lrs}
+          best[arm, kind] = max(lrs, key=lambda lr: (dev[lr], -lr))
+          log(f"{family} {arm} {kind}{f' ({a.variant})' if a.variant else ''}: dev"
+              f" accuracy by lr {dev}; picked {best[arm, kind]:g}")
+      final = {(kind, arm, count, seed): run(arm, kind, count, seed, best[arm, kind])
+               for kind in kinds for arm in arms for count in counts for seed in seeds}
+      for (kind, arm, count, seed), future in final.items():
+        m = future.result()
+        rows.append(dict(family=family, kind=kind, count=count, seed=seed, arm=arm,
+                         variant=a.variant, lr=best[arm, kind], steps=m["step"],
+                         dev_accuracy=m["accuracy"], test_accuracy=m["test_accuracy"],
+                         seconds=m["seconds"]))
+    with open(results, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
+    with open(os.path.join(workdir, "tables.md"), "w") as f:
+      f.write(tables(rows, arms))
   print(tables(rows, arms))
   return 0
 
