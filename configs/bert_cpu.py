@@ -19,7 +19,7 @@ def get_config(arg: str = ""):
   c.model.dtype = "bfloat16"  # bf16 matmuls with float32 accumulation; params float32
   c.data.objective = "bert_mlm"
   c.data.length = 64  # short sequences keep the CPU run near 6 steps/s
-  c.data.options = dict(max_predictions_per_seq=10)
+  c.data.options = dict(max_predictions_per_seq=10, nsp_negatives="other_document")
   smoke_schedule(c)
   c.train.batch_size = 32
   c.train.num_steps = 2000
@@ -38,7 +38,8 @@ def get_config(arg: str = ""):
     c.model.overrides = dict(max_position_embeddings=128, dropout_rate=0.1,
                              attention_dropout_rate=0.1)
     c.data.length = 128
-    c.data.options = dict(max_predictions_per_seq=20)
+    # NotNext from another document (BERT); same_document: from elsewhere in A's book
+    c.data.options = dict(max_predictions_per_seq=20, nsp_negatives="other_document")
     c.train.num_steps = 10_000  # ~3 steps/s on 2 cores
     c.train.eval_every = 2000
     c.train.checkpoint_every = 1000
@@ -55,5 +56,5 @@ def _shrink(c):
   c.model.overrides = dict(max_position_embeddings=64, d_model=64, num_heads=2, d_ff=128,
                            dropout_rate=0.0, attention_dropout_rate=0.0)
   c.model.dtype = "float32"  # bit-exact resume tests run in float32
-  c.data.options = dict(max_predictions_per_seq=10)
+  c.data.options = dict(max_predictions_per_seq=10, nsp_negatives="other_document")
   smoke_schedule(c)

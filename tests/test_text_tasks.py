@@ -262,11 +262,18 @@ def test_experiment_driver_end_to_end_and_resumes(tmp_path, capsys):
   assert experiment.main(args) == 0
   assert " s\n" not in capsys.readouterr().out, "a second call reran something"
   # a fine-tuning variant: its own runs (and lr pick), its own table; bag rows shared
+  # and a pretraining with its own settings, on the same text
   variant = ["--variant", "cls", "--set", "task.pooling=cls", "--set", "task.pooler=True",
-             "--families", "bert", "--norandom"]
+             "--families", "bert", "--norandom", "--jobs", "2",
+             "--pretrain", "sd=embedded:austen_pride_and_prejudice",
+             "--pretrain_set", "sd:data.options.nsp_negatives=same_document"]
+  capsys.readouterr()
   assert experiment.main(args + variant) == 0
-  runs = os.listdir(os.path.join(workdir, "runs", "bert", "tiny", "coherence"))
-  assert len([r for r in runs if r.endswith("_steps10_cls")]) == 3
+  assert "pretrain bert on sd with data.options.nsp_negatives=same_document" in (
+      capsys.readouterr().out)
+  for arm in ("tiny", "sd"):
+    runs = os.listdir(os.path.join(workdir, "runs", "bert", arm, "coherence"))
+    assert len([r for r in runs if r.endswith("_steps10_cls")]) == 3
   tables = open(os.path.join(workdir, "tables.md")).read()
   assert "### BERT (cls)" in tables and "### T5" not in tables
   with pytest.raises(UserError, match="wells_the_time_machine"):
@@ -287,6 +294,9 @@ def test_experiment_step_budget():
     (["--variant", "v", "--set", "task.pooling"], "--set 'task.pooling': expected KEY=VALUE"),
     (["--counts", "16,many"], "--counts"),
     (["--kinds", "sentiment"], "unknown ['sentiment']"),
+    (["--pretrain", "a=embedded:austen_pride_and_prejudice", "--pretrain_set",
+      "b:data.length=64"], "--pretrain_set 'b:data.length=64': expected NAME:KEY=VALUE"),
+    (["--jobs", "0"], "--jobs 0"),
 ])
 def test_experiment_flag_errors(tmp_path, flags, message):
   from t5x_like.command_flags import FlagError

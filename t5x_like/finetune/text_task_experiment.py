@@ -10,8 +10,9 @@ and a second call with more arms, seeds or families adds only the missing runs:
   corpus    each --pretrain source, unwrapped (one line per paragraph, as the task texts
             have no line breaks), into WORKDIR/corpus/NAME/; a document that is also in
             --task_source is an error (the tasks must come from unseen text)
-  pretrain  `t5x-like train --config configs/{bert,t5}_cpu.py:mini` on each corpus
-            (WORKDIR/pretrain/FAMILY_NAME; about an hour each on 2 cores)
+  pretrain  `t5x-like train --config configs/{bert,t5}_cpu.py:mini` on each corpus,
+            with its --pretrain_set settings (WORKDIR/pretrain/FAMILY_NAME; about an
+            hour each on 2 cores)
   tasks     `t5x-like task KIND --source TASK_SOURCE --per_class N --seed S` per kind,
             label count and seed (WORKDIR/tasks/KIND/N_sS; dev and test are the same
             for every N and S)
@@ -114,15 +115,17 @@ def write_corpus(name: str, specs: list[str], task_spec: str, workdir: str) -> s
   return pattern
 
 
-def pretrain(family: str, name: str, corpus_glob: str, workdir: str, smoke: bool) -> str:
-  """The pretraining run's workdir (trained when it has no DONE marker)."""
+def pretrain(family: str, name: str, corpus_glob: str, workdir: str, smoke: bool,
+             settings: tuple[str, ...] = ()) -> str:
+  """The pretraining run's workdir (trained when it has no DONE marker); settings:
+  KEY=VALUE of configs/FAMILY_cpu.py:mini."""
   out = os.path.join(workdir, "pretrain", f"{family}_{name}")
   if not os.path.exists(out + ".done"):
-    log(f"pretrain {family} on {name}")
+    log(f"pretrain {family} on {name}" + (f" with {' '.join(settings)}" if settings else ""))
     variant = "smoke" if smoke else "mini"
     t5x_like("train", "--config", os.path.join(CONFIGS, f"{family}_cpu.py:{variant}"),
              "--workdir", out, f"--config.data.source=text:{corpus_glob}",
-             log_file=out + ".log")
+             *(f"--config.{s}" for s in settings), log_file=out + ".log")
     open(out + ".done", "w").close()
   return out
 
@@ -232,6 +235,9 @@ def _flags(argv: list[str]) -> flags.FlagValues:
   flags.DEFINE_multi_string("pretrain", [], "NAME=SPEC: a pretraining corpus (a source"
                             " spec); repeat for several corpora, or with the same NAME to"
                             " join several sources into one", flag_values=fv)
+  flags.DEFINE_multi_string("pretrain_set", [], "NAME:KEY=VALUE: a setting of the"
+                            " pretraining on corpus NAME, e.g. large_sd:data.options."
+                            "nsp_negatives=same_document", flag_values=fv)
   flags.DEFINE_string("task_source", UNSEEN, "the text the tasks are built from",
                       flag_values=fv)
   flags.DEFINE_list("families", ["bert"], "bert and/or t5", flag_values=fv)
@@ -282,6 +288,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not sep or not name or not spec:
       raise FlagError(f"--pretrain {item!r}: expected NAME=SPEC")
     corpora.setdefault(name, []).append(spec)
+  pretrain_settings = collections.defaultdict(list)
+  for item in a.pretrain_set:
+    name, sep, setting = item.partition(":")
+    if not sep or name not in corpora or "=" not in setting or setting.startswith("="):
+      raise FlagError(f"--pretrain_set {item!r}: expected NAME:KEY=VALUE with NAME one of"
+                      f" the --pretrain corpora {sorted(corpora)}")
+    pretrain_settings[name].append(setting)
   workdir = os.path.abspath(a.workdir)
   results = os.path.join(workdir, "results.jsonl")
   rows = []
@@ -290,7 +303,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     checkpoints = {"random": ""}
     for name, specs in corpora.items():
       corpus_glob = write_corpus(name, specs, a.task_source, workdir)
-      checkpoints[name] = pretrain(family, name, corpus_glob, workdir, a.smoke)
+      checkpoints[name] = pretrain(family, name, corpus_glob, workdir, a.smoke,
+                                   tuple(pretrain_settings[name]))
     tasks = {(kind, count, seed): build_task(kind, count, seed, a.task_source, workdir)
              for kind in kinds for count in {*counts, select} for seed in {*seeds, 0}}
     for kind in kinds:
