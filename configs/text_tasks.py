@@ -8,8 +8,10 @@ Arguments: the task kind (authorship, acceptability, coherence); family=bert|t5;
 configs, 10 steps; tests). The backbone is configs/bert_cpu.py:mini or t5_cpu.py:mini,
 the one-hour pretraining of docs/text-tasks.md; train/dev/test.csv are read, and
 final_metrics.json has the dev and test accuracy.
-BERT: mean pooling without the pooler (docs/book-task.md: the best head for both
-pretrained and random initialisation); T5: the label generated as text and ranked.
+BERT: coherence (a sentence pair) through [CLS] and the pretrained pooler, as BERT
+classifies pairs; authorship and acceptability mean-pooled without the pooler
+(docs/book-task.md: the best head there for both arms); T5: the label generated as
+text and ranked.
 AdamW at 1e-3 (each arm's pick from 1e-4 / 3e-4 / 1e-3 on acceptability and coherence,
 docs/text-tasks.md), 30 warmup steps then linear decay, 300 steps of 32 (the experiment
 driver sets 20 epochs, within 100-300 steps).
@@ -44,8 +46,10 @@ def get_config(arg: str = "acceptability"):
   c.task.max_length = 128 if args.task == "coherence" else 64
   c.task.target_length = 8  # a label + eos
   c.task.task_prefix = args.task
-  c.task.pooling = "mean"
-  c.task.pooler = False
+  # BERT: a pair through [CLS] and the NSP-trained pooler (BERT's own pair head), a
+  # single text mean-pooled without it (docs/text-tasks.md: the heads measured)
+  c.task.pooling, c.task.pooler = ("cls", True) if args.task == "coherence" else (
+      "mean", False)
   c.train.batch_size = 32
   c.train.num_steps = 300
   c.train.log_every = 50

@@ -168,6 +168,30 @@ def test_finetune_starts_from_the_pretrained_checkpoint(tmp_path, task_dir,
       np.mean([p["prediction"] == p["label"] for p in predictions]))
 
 
+def test_layer_decay_scales_each_layer_s_first_step(tmp_path, task_dir, bert_workdir):
+  """optimizer.layer_decay=0.5 from the pretrained backbone: Adam's first step moves
+  each parameter's largest-gradient element by the same lr x c (|g| >> eps), times
+  0.5^(3 - depth): bert_cpu:smoke's embeddings are depth 0, its layers_0 and layers_1
+  depths 1 and 2, the head (here the loaded pooler) 3."""
+  assert _finetune(str(tmp_path / "decay"), task_dir, *BERT_HEAD,
+                   "--config.train.num_steps=1", "--config.optimizer.warmup_steps=0",
+                   "--config.optimizer.weight_decay=0.0", "--config.optimizer.layer_decay=0.5",
+                   "--config.optimizer.eps=1e-12",  # |g| >> eps for every kernel
+                   f"--config.init.checkpoint={bert_workdir}") == 0
+  pretrained, tuned = _saved_params(bert_workdir), _saved_params(str(tmp_path / "decay"))
+  moved = {k: np.abs(tuned[k] - pretrained[k.split("/", 1)[1]]).max()
+           for k in tuned if k.startswith("backbone/") and k.endswith("kernel")
+           or k.endswith("embedding")}
+  unit = np.abs(tuned["head/pooler/kernel"] - pretrained["pooler/kernel"]).max()
+  depths = {}
+  for key in moved:
+    layer = re.search(r"/layers_(\d+)/", key)
+    depths[key] = 1 + int(layer.group(1)) if layer else 0
+  assert sorted(set(depths.values())) == [0, 1, 2] and len(moved) > 10
+  for key, depth in depths.items():
+    assert moved[key] / unit == pytest.approx(0.5 ** (3 - depth), rel=0.02), key
+
+
 def test_finetune_from_random_init_resumes_to_the_same_numbers(tmp_path, task_dir, capsys):
   args = ("--config.train.num_steps=6", "--config.train.log_every=1",
           "--config.train.checkpoint_every=3")

@@ -304,3 +304,17 @@ def test_experiment_flag_errors(tmp_path, flags, message):
   with pytest.raises(FlagError, match=re.escape(message)):
     experiment.main(["--workdir", str(tmp_path / "w"), *flags])
   assert not os.path.exists(tmp_path / "w")
+
+
+def test_text_task_config_defaults_the_tables_chose():
+  """configs/text_tasks.py's measured choices (docs/text-tasks.md): BERT's pair head for
+  coherence, mean pooling for single texts, AdamW at 1e-3."""
+  from t5x_like.command_flags import load_config_file
+  heads = {}
+  for kind in ("authorship", "acceptability", "coherence"):
+    c = load_config_file(os.path.join(ROOT, "configs", f"text_tasks.py:{kind}"))
+    heads[kind] = (c.task.pooling, c.task.pooler)
+    assert (c.optimizer.name, c.optimizer.learning_rate) == ("adamw", 1e-3)
+    assert c.optimizer.layer_decay == 1.0
+  assert heads == {"authorship": ("mean", False), "acceptability": ("mean", False),
+                   "coherence": ("cls", True)}

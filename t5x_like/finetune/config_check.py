@@ -66,6 +66,9 @@ def validate_finetune(config, num_devices: Optional[int] = None,
   # Fine-tuning may leave the loaded weights as they are (learning rate 0), and
   # configs/finetune_books.py's smoke variant warms up over 30 of its 10 steps.
   check_optimizer(config, allow_zero_lr=True, allow_long_warmup=True)
+  if not 0 < config.optimizer.layer_decay <= 1:
+    raise ConfigError(f"optimizer.layer_decay={config.optimizer.layer_decay}: expected in"
+                      " (0, 1] (1 = the same rate for every layer)")
   backbone = backbone_config(config, task, platform)
   check_mesh(config, num_devices, None if backbone is None else build_model(backbone))
 

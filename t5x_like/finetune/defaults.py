@@ -66,5 +66,8 @@ def default_finetune_config() -> ml_collections.ConfigDict:
   c.optimizer = pretrain.optimizer
   c.optimizer.learning_rate = 5e-5
   c.optimizer.warmup_steps = 30
+  # Layer-wise lr decay (finetune/layer_decay.py): the head and top layer at the rate,
+  # each layer below x layer_decay, the embeddings slowest; 1 = off.
+  c.optimizer.layer_decay = 1.0
   c.mesh = pretrain.mesh
   return c

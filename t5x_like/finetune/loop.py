@@ -20,6 +20,7 @@ from typing import Optional
 
 import jax
 import ml_collections
+import optax
 
 from t5x_like import fs
 from t5x_like.errors import UserError
@@ -28,6 +29,7 @@ from t5x_like.finetune.backbone import load_backbone
 from t5x_like.finetune.config_check import validate_finetune
 from t5x_like.finetune.encoding import EncodedRows, encode_examples
 from t5x_like.finetune.evaluate import Predictor, dev_metrics, prediction_rows
+from t5x_like.finetune.layer_decay import layer_depths, scale_by_layer
 from t5x_like.finetune.model import FinetuneModel
 from t5x_like.finetune.splits import load_splits, run_task
 from t5x_like.finetune.submission import benchmark_outputs
@@ -92,6 +94,10 @@ def finetune(config: ml_collections.ConfigDict, workdir, *,
     trained = {k: v for k, v in train_features.items() if k not in task.host_features}
     batch_shapes = {k: (tc.batch_size, *v.shape[1:]) for k, v in trained.items()}
     optimizer, schedule = make_optimizer(config.optimizer, tc.num_steps)
+    if config.optimizer.layer_decay != 1:
+      stacks = model_class(model.config).stack_layers(model.config)
+      depths = layer_depths(model.param_shapes(batch_shapes), stacks)
+      optimizer = optax.chain(optimizer, scale_by_layer(depths, config.optimizer.layer_decay))
     run.writer.log(f"backbone: {backbone.source}; {model.num_params():,} params; task"
                    f" {task.name} with {len(train_set.labels)} labels; train"
                    f" {json.dumps(train_stats)} of {train_set.path}"
