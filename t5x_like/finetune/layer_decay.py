@@ -8,9 +8,10 @@ Depths, as BEiT's: the embeddings (and any backbone parameter outside the layer 
 (T5: encoder layers 1..E, decoder layers E + 1..E + D); a stack's own parameters that
 are not in a layer (a final norm, T5's shared relative-position table) take the depth
 of its top layer; the head (a text-to-text family's untied output layer,
-'logits_dense') L + 1, L the layer count of all stacks. A parameter at depth d is updated at lr x decay^(L + 1 - d): the whole
-update, Adam's step and the decoupled weight decay alike. Scanned stacks ('layers', a
-leading axis of L) get one factor per layer.
+'logits_dense') L + 1, L the layer count of all stacks. A parameter at depth d is
+updated at lr x decay^(L + 1 - d): the whole update, Adam's step and the decoupled
+weight decay alike. Scanned stacks ('layers', a leading axis of L) get one factor per
+layer.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def layer_depths(shapes: Any, stacks: Mapping[str, int]) -> Any:
 
 def scale_by_layer(depths: Any, decay: float) -> optax.GradientTransformation:
   """Multiplies each update by decay^(top - depth), top = the deepest depth in `depths`
-  (the head's); stateless, so checkpoints keep the optimizer state they had."""
+  (the head's). Stateless (optax.EmptyState)."""
   top = max(int(np.max(d)) for d in jax.tree.leaves(depths))
   factors = jax.tree.map(lambda d: np.asarray(float(decay) ** (top - np.asarray(d)),
                                               np.float32), depths)
