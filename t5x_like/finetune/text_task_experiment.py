@@ -277,7 +277,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   if unknown:
     raise FlagError(f"--kinds or --families: unknown {sorted(unknown)}")
   kinds = list(a.kinds)
-  bad = [x for x in a.set if "=" not in x or x.startswith("=")]
+  bad = [x for x in a.set if not is_setting(x)]
   if bad or bool(a.set) != bool(a.variant):
     raise FlagError(f"--set {bad[0]!r}: expected KEY=VALUE" if bad else
                     "--set and --variant go together: the variant names the settings")
@@ -291,7 +291,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   pretrain_settings = collections.defaultdict(list)
   for item in a.pretrain_set:
     name, sep, setting = item.partition(":")
-    if not sep or name not in corpora or "=" not in setting or setting.startswith("="):
+    if not sep or name not in corpora or not is_setting(setting):
       raise FlagError(f"--pretrain_set {item!r}: expected NAME:KEY=VALUE with NAME one of"
                       f" the --pretrain corpora {sorted(corpora)}")
     pretrain_settings[name].append(setting)
@@ -339,6 +339,11 @@ def main(argv: Optional[list[str]] = None) -> int:
       f.write(tables(rows, arms))
   print(tables(rows, arms))
   return 0
+
+
+def is_setting(text: str) -> bool:
+  """Whether text is a config setting KEY=VALUE (a non-empty key)."""
+  return "=" in text and not text.startswith("=")
 
 
 def parse_count(count: str) -> int:
