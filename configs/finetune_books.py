@@ -26,7 +26,7 @@ accuracy against 0.617 from random initialisation (each at its best learning rat
 
 import os
 
-from t5x_like.finetune.defaults import default_finetune_config
+from t5x_like.finetune.defaults import cpu_recipe_config
 from t5x_like.train.defaults import parse_arg
 
 
@@ -43,31 +43,16 @@ def get_config(arg: str = "bert"):
     raise ValueError(f"configs/finetune_books.py: task={args.task!r}: expected one of"
                      f" {sorted(TASK_DIRS)}")
   args.dir = args.dir or TASK_DIRS[args.task]
-  c = default_finetune_config()
   # The pretraining config beside this file, wherever the command runs from.
   pretrain = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                           {"bert": "bert_cpu.py", "t5": "t5_cpu.py"}[args.family])
-  c.init.config = pretrain + (":smoke" if args.smoke else "")
-  c.task.name = "classification"
+  c = cpu_recipe_config(pretrain + (":smoke" if args.smoke else ""), args.smoke)
   c.task.train_file = f"{args.dir}/train.csv"
   c.task.dev_file = f"{args.dir}/dev.csv"
   c.task.max_length = 64  # 32-word passages; bert_cpu has 64 positions
   c.task.target_length = 8  # a label (surname, narrator) + eos (up to 5 pieces in the t5 vocab)
   c.task.task_prefix = "book"
-  c.task.pooling = "mean"  # BERT: the mean of the passage's states (docs/book-task.md)
-  c.task.pooler = False
-  c.train.batch_size = 32
-  c.train.num_steps = 300  # ~13 epochs of the 720 training passages
-  c.train.log_every = 25
-  c.train.eval_every = 100
-  c.optimizer.name = "adamw"
-  c.optimizer.learning_rate = 1e-3
-  c.optimizer.schedule = "linear"
-  c.optimizer.warmup_steps = 30
-  c.optimizer.weight_decay = 0.01
-  if args.smoke:
-    c.train.num_steps = 10
-    c.train.batch_size = 8
-    c.train.log_every = 5
-    c.train.eval_every = 0
+  # 300 steps: ~13 epochs of the 720 training passages
+  c.train.log_every = 5 if args.smoke else 25
+  c.train.eval_every = 0 if args.smoke else 100
   return c

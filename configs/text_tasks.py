@@ -19,7 +19,7 @@ driver sets 20 epochs, within 100-300 steps).
 
 import os
 
-from t5x_like.finetune.defaults import default_finetune_config
+from t5x_like.finetune.defaults import cpu_recipe_config
 from t5x_like.train.defaults import parse_arg
 
 KINDS = ("authorship", "acceptability", "coherence")
@@ -32,36 +32,22 @@ def get_config(arg: str = "acceptability"):
   if args.family not in ("bert", "t5"):
     raise ValueError(f"configs/text_tasks.py: family={args.family!r}: expected bert or t5")
   folder = args.dir or f"workdir/{args.task}"
-  c = default_finetune_config()
   pretrain = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                           {"bert": "bert_cpu.py", "t5": "t5_cpu.py"}[args.family])
-  c.init.config = pretrain + (":smoke" if args.smoke else ":mini")
-  c.task.name = "classification"
+  c = cpu_recipe_config(pretrain + (":smoke" if args.smoke else ":mini"), args.smoke)
   c.task.train_file = f"{folder}/train.csv"
   c.task.dev_file = f"{folder}/dev.csv"
   c.task.test_file = f"{folder}/test.csv"
   c.task.text_pair_column = "text_pair" if args.task == "coherence" else ""
   # Pieces: sentences of at most 40 words (and 32-word passages) fit in 64; a
-  # coherence pair in 128 (the pretraining length).
-  c.task.max_length = 128 if args.task == "coherence" else 64
+  # coherence pair in 128 (the pretraining length); the smoke backbones have 64.
+  c.task.max_length = 128 if args.task == "coherence" and not args.smoke else 64
   c.task.target_length = 8  # a label + eos
   c.task.task_prefix = args.task
   # BERT: a pair through [CLS] and the NSP-trained pooler (BERT's own pair head), a
   # single text mean-pooled without it (docs/text-tasks.md: the heads measured)
-  c.task.pooling, c.task.pooler = ("cls", True) if args.task == "coherence" else (
-      "mean", False)
-  c.train.batch_size = 32
-  c.train.num_steps = 300
-  c.train.log_every = 50
+  if args.task == "coherence":
+    c.task.pooling, c.task.pooler = "cls", True
+  c.train.log_every = 5 if args.smoke else 50
   c.train.eval_every = 0  # dev and test at the end
-  c.optimizer.name = "adamw"
-  c.optimizer.learning_rate = 1e-3
-  c.optimizer.schedule = "linear"
-  c.optimizer.warmup_steps = 30
-  c.optimizer.weight_decay = 0.01
-  if args.smoke:
-    c.train.num_steps = 10
-    c.train.batch_size = 8
-    c.train.log_every = 5
-    c.task.max_length = 64  # the smoke backbones' positions
   return c

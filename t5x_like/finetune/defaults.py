@@ -71,3 +71,29 @@ def default_finetune_config() -> ml_collections.ConfigDict:
   c.optimizer.layer_decay = 1.0
   c.mesh = pretrain.mesh
   return c
+
+
+def cpu_recipe_config(backbone: str, smoke: bool) -> ml_collections.ConfigDict:
+  """The classification recipe the book and text-task experiments chose on a CPU backbone.
+
+  backbone: the pretraining config, "file.py:arg" (configs/bert_cpu.py or t5_cpu.py).
+  AdamW at 1e-3, 30 warmup steps then linear decay, weight decay 0.01, 300 steps of 32,
+  a single text mean-pooled without the pooler (docs/book-task.md, docs/text-tasks.md);
+  smoke (tests): 10 steps of 8.
+  """
+  c = default_finetune_config()
+  c.init.config = backbone
+  c.task.name = "classification"
+  c.task.pooling = "mean"
+  c.task.pooler = False
+  c.train.batch_size = 32
+  c.train.num_steps = 300
+  c.optimizer.name = "adamw"
+  c.optimizer.learning_rate = 1e-3
+  c.optimizer.schedule = "linear"
+  c.optimizer.warmup_steps = 30
+  c.optimizer.weight_decay = 0.01
+  if smoke:
+    c.train.num_steps = 10
+    c.train.batch_size = 8
+  return c
