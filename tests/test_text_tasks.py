@@ -214,24 +214,34 @@ def test_bag_of_pieces_equals_sklearn(tmp_path):
 
 
 def test_finetune_scores_the_test_file(tmp_path, monkeypatch):
-  """configs/text_tasks.py reads train/dev/test.csv; final_metrics.json has test_*, and
-  test_predictions.jsonl one row per test example."""
+  """configs/text_tasks.py reads train/dev/test.csv and scores test.csv, not dev.csv
+  again: with test.csv = dev.csv, labels flipped, the test predictions are the dev
+  predictions and the test accuracy is 1 - the dev accuracy."""
   monkeypatch.chdir(tmp_path)
   _story("mine")
   assert cli.main(["task", "coherence", "--source", "text:mine/*.txt", "--out",
                    "workdir/coherence", "--per_class", "8"]) == 0
+  dev_rows = _rows("workdir/coherence", "dev")
+  labels = sorted({r["label"] for r in dev_rows})
+  assert len(labels) == 2
+  flipped = [{**r, "label": labels[r["label"] == labels[0]]} for r in dev_rows]
+  with open("workdir/coherence/test.csv", "w", encoding="utf-8", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=list(dev_rows[0]))
+    writer.writeheader()
+    writer.writerows(flipped)
   config = os.path.join(ROOT, "configs", "text_tasks.py") + ":coherence,smoke"
   assert cli.main(["finetune", "--config", config, "--workdir", "ft"]) == 0
   with open("ft/final_metrics.json") as f:
     final = json.load(f)
-  test_rows = _rows("workdir/coherence", "test")
-  assert final["test_examples"] == len(test_rows) and 0 <= final["test_accuracy"] <= 1
-  with open("ft/test_predictions.jsonl") as f:
-    predictions = [json.loads(line) for line in f]
-  assert len(predictions) == len(test_rows)
-  assert [p["label"] for p in predictions] == [r["label"] for r in test_rows]
-  hits = [p["prediction"] == p["label"] for p in predictions]
-  assert abs(np.mean(hits) - final["test_accuracy"]) < 1e-9
+  predictions = {}
+  for split in ("dev", "test"):
+    with open(f"ft/{split}_predictions.jsonl") as f:
+      predictions[split] = [json.loads(line) for line in f]
+  assert [p["prediction"] for p in predictions["test"]] == [
+      p["prediction"] for p in predictions["dev"]]
+  assert [p["label"] for p in predictions["test"]] == [r["label"] for r in flipped]
+  assert final["test_examples"] == len(flipped)
+  assert abs(final["test_accuracy"] - (1 - final["accuracy"])) < 1e-9
 
 
 @pytest.mark.slow
