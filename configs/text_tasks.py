@@ -11,7 +11,8 @@ final_metrics.json has the dev and test accuracy.
 BERT: coherence (a sentence pair) through [CLS] and the pretrained pooler, as BERT
 classifies pairs; authorship and acceptability mean-pooled without the pooler
 (docs/book-task.md: the best head there for both arms); T5: the label generated as
-text and ranked.
+text and ranked, or with --config.task.text_to_text=false the encoder alone under a
+mean-pooled head (EncT5).
 AdamW at 1e-3 (each arm's pick from 1e-4 / 3e-4 / 1e-3 on acceptability and coherence,
 docs/text-tasks.md), 30 warmup steps then linear decay, 300 steps of 32 (the experiment
 driver sets 20 epochs, within 100-300 steps).
@@ -46,7 +47,7 @@ def get_config(arg: str = "acceptability"):
   c.task.task_prefix = args.task
   # BERT: a pair through [CLS] and the NSP-trained pooler (BERT's own pair head), a
   # single text mean-pooled without it (docs/text-tasks.md: the heads measured)
-  if args.task == "coherence":
+  if args.task == "coherence" and args.family == "bert":
     c.task.pooling, c.task.pooler = "cls", True
   c.train.log_every = 5 if args.smoke else 50
   c.train.eval_every = 0  # dev and test at the end

@@ -289,6 +289,14 @@ def test_decoder_and_text_to_text_encodings():
   enc = t5_tok.encode("sst2: a good film") + [1]
   assert features["encoder_input_tokens"][:len(enc)].tolist() == enc
   assert label_targets(t5_tok, names, 6).shape == (2, 6)
+  # T5's encoder under a head (text_to_text=False): the same inputs, no decoder features
+  head_task = make_task("classification", text_to_text=False, task_prefix="sst2",
+                        max_length=16)
+  features, cut = head_task.encode(Example("a good film", label=1), t5_tok, "encoder_decoder",
+                                   names)
+  assert sorted(features) == ["encoder_input_tokens", "labels"] and not cut
+  assert features["encoder_input_tokens"].tolist() == enc + [0] * (16 - len(enc))
+  assert features["labels"] == 1
 
 
 # ------------------------------------------------------------------ heads
@@ -426,6 +434,40 @@ def test_t5_rank_classification_scores_each_label_string():
       loss, loss_metrics = jax.jit(model.loss_fn)(params, batch, None)
       np.testing.assert_allclose(loss, -jnp.sum(want) / 8, rtol=1e-5)
       assert loss_metrics["token_tokens"] == 8
+
+
+def test_t5_encoder_head_equals_t5_encoder_model_mean_pooled(tmp_path):
+  """text_to_text=False: transformers' T5EncoderModel's last hidden state, mean-pooled
+  over the real tokens, through the classifier; the decoder is not part of the model."""
+  torch.manual_seed(0)
+  config = transformers.T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                 num_decoder_layers=1, num_heads=4, dropout_rate=0.0,
+                                 feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+  transformers.T5ForConditionalGeneration(config).save_pretrained(str(tmp_path / "t5"))
+  reference = transformers.T5EncoderModel.from_pretrained(str(tmp_path / "t5")).eval()
+  backbone, pretrained = hf.load(str(tmp_path / "t5"))
+  model = FinetuneModel(backbone.config, "classification", num_labels=3, pooling="mean",
+                        text_to_text=False)
+  assert not model.text_to_text
+  params = model.load_backbone(jax.eval_shape(model.init, jax.random.key(0)), pretrained)
+  assert "decoder" not in params["backbone"] and "logits_dense" not in params["backbone"]
+  rng = np.random.default_rng(0)
+  kernel, bias = rng.normal(0, 0.5, (32, 3)).astype(np.float32), rng.normal(0, 0.5, 3)
+  params["head"] = {"classifier": {"kernel": kernel, "bias": bias.astype(np.float32)}}
+  tokens = rng.integers(2, 99, (3, 9))
+  tokens[1, 5:] = 0
+  tokens[2, 2:] = 0
+  with torch.no_grad():
+    mask = torch.tensor(tokens != 0)
+    hidden = reference(input_ids=torch.tensor(tokens), attention_mask=mask).last_hidden_state
+    mean = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+  want = mean.numpy() @ kernel + bias
+  ours = jax.jit(model.logits)(params, {"encoder_input_tokens": jnp.asarray(tokens)})
+  np.testing.assert_allclose(np.asarray(ours), want, atol=1e-5)
+  batch = {"encoder_input_tokens": jnp.asarray(tokens), "labels": jnp.array([0, 2, 1])}
+  loss, _ = model.loss_fn(params, batch, None)
+  np.testing.assert_allclose(float(loss), -np.mean(_log_softmax(want)[[0, 1, 2], [0, 2, 1]]),
+                             rtol=1e-5)
 
 
 def _random_params(model, seed=0):

@@ -35,6 +35,19 @@ def test_t5_counts_the_encoder_then_the_decoder_and_its_output_layer_is_the_top(
   assert max(depths.values()) == 6
 
 
+def test_t5_encoder_under_a_head_counts_the_encoder_alone():
+  """text_to_text=False: no decoder, so the head sits right above the encoder's top."""
+  config = preset("t5-v1_1-small", d_model=32, d_ff=64, num_heads=2,
+                                   head_dim=16, num_layers=2, num_decoder_layers=3,
+                                   vocab_size=64)
+  depths = _depths(config, num_labels=2, pooling="mean", text_to_text=False)
+  want = {"backbone/token_embed/embedding": 0,
+          "backbone/encoder/layers_0/mlp/wo/kernel": 1,
+          "backbone/encoder/final_norm/scale": 2, "head/classifier/kernel": 3}
+  assert {k: depths[k] for k in want} == want
+  assert max(depths.values()) == 3 and not any("decoder" in k for k in depths)
+
+
 def test_bert_scanned_layers_get_one_depth_per_layer():
   config = preset("bert-tiny", d_model=32, d_ff=64, num_heads=2,
                                    num_layers=3, vocab_size=64, scan_layers=True)

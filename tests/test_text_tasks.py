@@ -244,6 +244,31 @@ def test_finetune_scores_the_test_file(tmp_path, monkeypatch):
   assert abs(final["test_accuracy"] - (1 - final["accuracy"])) < 1e-9
 
 
+def test_t5_encoder_head_end_to_end(tmp_path, monkeypatch, capsys):
+  """--config.task.text_to_text=false: T5's encoder under a head (with layer decay) is
+  trained and scored as a classifier, without rank_* metrics; a task without a head on
+  T5's encoder is a config error naming the key, and writes nothing."""
+  monkeypatch.chdir(tmp_path)
+  _story("mine")
+  assert cli.main(["task", "coherence", "--source", "text:mine/*.txt", "--out",
+                   "workdir/coherence", "--per_class", "8"]) == 0
+  config = os.path.join(ROOT, "configs", "text_tasks.py") + ":coherence,family=t5,smoke"
+  assert cli.main(["finetune", "--config", config, "--workdir", "ft",
+                   "--config.task.text_to_text=false",
+                   "--config.optimizer.layer_decay=0.8"]) == 0
+  with open("ft/final_metrics.json") as f:
+    final = json.load(f)
+  assert 0 <= final["accuracy"] <= 1 and 0 <= final["test_accuracy"] <= 1
+  assert final["test_examples"] == len(_rows("workdir/coherence", "test"))
+  assert not any(k.startswith("rank_") for k in final)
+  capsys.readouterr()
+  assert cli.main(["finetune", "--config", config, "--workdir", "ft_regression",
+                   "--config.task.text_to_text=false", "--config.task.name=regression"]) == 2
+  err = capsys.readouterr().err
+  assert "config.task.text_to_text=False: task regression" in err and "Traceback" not in err
+  assert not os.path.exists("ft_regression")
+
+
 @pytest.mark.slow
 def test_experiment_driver_end_to_end_and_resumes(tmp_path, capsys):
   """The driver (smoke configs): pretraining, lr selection, every count x seed, the
@@ -328,3 +353,5 @@ def test_text_task_config_defaults_the_tables_chose():
     assert c.optimizer.layer_decay == 1.0
   assert heads == {"authorship": ("mean", False), "acceptability": ("mean", False),
                    "coherence": ("cls", True)}
+  t5 = load_config_file(os.path.join(ROOT, "configs", "text_tasks.py:coherence,family=t5"))
+  assert (t5.task.text_to_text, t5.task.pooling) == (True, "mean")

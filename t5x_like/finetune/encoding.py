@@ -6,6 +6,7 @@ pieces tasks build their encodings from, and `encode_examples` for a whole file.
   decoder pair (GPT):      a (eos b) eos, decoder_segment_ids 1 on real tokens
   text to text (T5):       inputs "prefix: a (pair: b)" + eos, targets = the label
                            string's tokens + eos
+  T5's encoder alone:      the same inputs, no targets (a head on the encoder's states)
 
 Padding id is 0 everywhere (the encoder masks padding by token id).
 """
@@ -125,23 +126,31 @@ def label_targets(tokenizer: Tokenizer, label_names: Sequence[str], target_lengt
   return np.stack(rows)
 
 
-def encode_text_to_text(tokenizer: Tokenizer, example: Example, label_names: Sequence[str],
-                        max_length: int, target_length: int, task_prefix: str,
-                        pair_prefix: str = "pair") -> tuple[Features, bool]:
-  """encoder_input_tokens [L]: the input string + eos (cut to max_length);
-  decoder_target_tokens, decoder_input_tokens (shifted right), decoder_loss_weights [T]:
-  the label string + eos; labels []."""
+def encode_t5_inputs(tokenizer: Tokenizer, example: Example, max_length: int,
+                     task_prefix: str, pair_prefix: str = "pair") -> tuple[Features, bool]:
+  """encoder_input_tokens [L]: "prefix: text (pair: text_pair)" + eos, cut to max_length;
+  and whether it was cut."""
   if tokenizer.eos_id is None:
-    raise ValueError(f"{tokenizer!r} has no eos: text-to-text needs a T5 vocabulary")
-  if label_names is None:
-    raise ValueError("text to text needs label_names (the label strings)")
+    raise ValueError(f"{tokenizer!r} has no eos: T5's inputs need a T5 vocabulary")
   ids = tokenizer.encode(text_to_text_input(example, task_prefix, pair_prefix))
   truncated = len(ids) > max_length - 1
   ids = ids[:max_length - 1] + [tokenizer.eos_id]
+  return {"encoder_input_tokens": pad(ids, max_length)}, truncated
+
+
+def encode_text_to_text(tokenizer: Tokenizer, example: Example, label_names: Sequence[str],
+                        max_length: int, target_length: int, task_prefix: str,
+                        pair_prefix: str = "pair") -> tuple[Features, bool]:
+  """encoder_input_tokens [L] (encode_t5_inputs); decoder_target_tokens,
+  decoder_input_tokens (shifted right), decoder_loss_weights [T]: the label string +
+  eos; labels []."""
+  if label_names is None:
+    raise ValueError("text to text needs label_names (the label strings)")
+  features, truncated = encode_t5_inputs(tokenizer, example, max_length, task_prefix,
+                                         pair_prefix)
   targets = label_targets(tokenizer, [label_names[example.label]], target_length)[0]
   inputs = np.concatenate([[0], targets[:-1]]).astype(np.int32)  # shifted right, 0 = start
-  return {"encoder_input_tokens": pad(ids, max_length),
-          "decoder_input_tokens": inputs, "decoder_target_tokens": targets,
+  return {**features, "decoder_input_tokens": inputs, "decoder_target_tokens": targets,
           "decoder_loss_weights": (targets > 0).astype(np.int32),
           "labels": np.int32(example.label)}, truncated
 

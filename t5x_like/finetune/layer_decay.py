@@ -30,9 +30,11 @@ def layer_depths(shapes: Any, stacks: Mapping[str, int]) -> Any:
   """Tree like `shapes` (a FinetuneModel's params or their ShapeDtypeStructs): each
   parameter's depth, an int, or [L, 1, ...] ints for a scanned stack's parameter.
   stacks: {stack module name: its layers} in order from the input ('encoder', then
-  'decoder')."""
+  'decoder'); a stack the backbone lacks is skipped (T5's encoder under a head)."""
   offsets, total = {}, 0
   for name, layers in stacks.items():
+    if name not in shapes["backbone"]:
+      continue
     offsets[name] = total
     total += layers
 

@@ -30,7 +30,7 @@ from t5x_like.finetune.config_check import validate_finetune
 from t5x_like.finetune.encoding import EncodedRows, encode_examples
 from t5x_like.finetune.evaluate import Predictor, dev_metrics, prediction_rows
 from t5x_like.finetune.layer_decay import layer_depths, scale_by_layer
-from t5x_like.finetune.model import FinetuneModel
+from t5x_like.finetune.model import FinetuneModel, finetunes_text_to_text
 from t5x_like.finetune.splits import load_splits, run_task
 from t5x_like.finetune.submission import benchmark_outputs
 from t5x_like.models import model_class
@@ -65,8 +65,12 @@ def finetune(config: ml_collections.ConfigDict, workdir, *,
     # ---------------------------------------------------------- backbone, data, mesh
     backbone = load_backbone(config)
     family = backbone.model_config.family
-    text_to_text = model_class(backbone.model_config).finetunes_text_to_text
+    text_to_text = (model_class(backbone.model_config).finetunes_text_to_text
+                    and config.task.text_to_text)
     task = run_task(config, text_to_text)
+    if text_to_text != finetunes_text_to_text(backbone.model_config, task):
+      raise FinetuneConfigError(f"config.task.text_to_text=False: task {task.name} has no"
+                                " head on T5's encoder (classification has)")
     splits = load_splits(config, task, text_to_text)
     train_set, dev_set = splits.train, splits.main_dev
     targets = None

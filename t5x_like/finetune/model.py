@@ -13,6 +13,8 @@ and where a summary of a row is read ([CLS], or GPT's last real token); the task
 fine-tunes text to text (T5) keeps the whole model and has no head params: the loss
 is the encoder-decoder loss on the label string, and logits are each label string's
 log-likelihood (rank classification, one forward pass; needs label_targets [C, T]).
+A T5 classification task with text_to_text=False keeps the encoder alone (and the
+shared embedding) under a head, as BERT's (EncT5, Liu et al. 2021).
 The backbone drops the pretraining heads fine-tuning does not use (BERT's MLM / NSP,
 GPT's output layer); BERT's pooler lives in the head ('head/pooler') and
 load_backbone copies the pretrained one there.
@@ -44,16 +46,17 @@ class FinetuneModule(nn.Module):
   task: Task
   num_labels: int = 0
   deterministic: bool = True
+  text_to_text: bool = False  # FinetuneModel.text_to_text
 
   def setup(self):
     family = model_class(self.config)
     self.backbone = family.hidden_states_module(self.config, deterministic=self.deterministic)
-    self.head = None if family.finetunes_text_to_text else self.task.head(
+    self.head = None if self.text_to_text else self.task.head(
         self.config, self.num_labels, self.deterministic)
 
   def __call__(self, batch):
     family = model_class(self.config)
-    if family.finetunes_text_to_text:
+    if self.text_to_text:
       return self.backbone(batch)  # [B, T, V] decoder logits
     hidden_BxLxD, valid_BxL = family.hidden_states(self.backbone, batch)
     return self.task.forward(self.head, hidden_BxLxD, valid_BxL,
@@ -97,7 +100,7 @@ class FinetuneModel(Model):
     if config.family not in task.families:
       raise ValueError(f"task={task.name!r} does not fine-tune the {config.family!r} family"
                        f" (it supports {', '.join(task.families)})")
-    self.text_to_text = family.finetunes_text_to_text
+    self.text_to_text = finetunes_text_to_text(config, task)
     # A task that generates free text (e.g. SQuAD's answers) has no label list to rank.
     self.generates_text = self.text_to_text and task.generates_text
     if self.text_to_text and not self.generates_text:
@@ -117,7 +120,7 @@ class FinetuneModel(Model):
 
   def module(self, *, deterministic: bool = True, **kw) -> nn.Module:
     return FinetuneModule(self.config, self.task, num_labels=self.num_labels,
-                          deterministic=deterministic, **kw)
+                          deterministic=deterministic, text_to_text=self.text_to_text, **kw)
 
   def example_batch_shapes(self, batch: int = 2, length: int = 8) -> dict[str, tuple]:
     return {name: (batch, length) for name in model_class(self.config).finetune_inputs}
@@ -187,6 +190,12 @@ class FinetuneModel(Model):
     if self.text_to_text:
       return jnp.argmax(out, axis=-1).astype(jnp.int32)
     return self.task.predict(out, batch)
+
+
+def finetunes_text_to_text(config: ModelConfig, task) -> bool:
+  """Whether `task` fine-tunes a `config` backbone text to text: a family that does
+  (T5), unless the task asks for a head (text_to_text=False)."""
+  return model_class(config).finetunes_text_to_text and getattr(task, "text_to_text", True)
 
 
 def _as_dict(tree) -> dict:

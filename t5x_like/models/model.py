@@ -337,7 +337,13 @@ class EncoderDecoderModel(_SequenceModel):
   default_eos_id = 1  # T5's </s>; decoding starts from the pad id 0
   hf_model_type = "t5"
   finetune_inputs = ("encoder_input_tokens", "decoder_input_tokens")
-  finetunes_text_to_text = True
+  finetunes_text_to_text = True  # or the encoder alone under a head (hidden_states)
+
+  @staticmethod
+  def hidden_states(module, batch):
+    """The encoder's output [B, L, D] and its real tokens (EncT5: the decoder unused)."""
+    tokens, segments = batch["encoder_input_tokens"], batch.get("encoder_segment_ids")
+    return module.encode(batch), (tokens > 0 if segments is None else segments > 0)
 
   def example_batch_shapes(self, batch: int = 2, length: int = 8) -> dict[str, tuple]:
     return {"encoder_input_tokens": (batch, length), "decoder_input_tokens": (batch, length)}

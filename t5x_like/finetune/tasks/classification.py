@@ -4,7 +4,10 @@
   decoder (GPT)           a (eos b) eos; the last real token -> C
   encoder_decoder (T5)    text to text: "prefix: a (pair: b)" -> the label string + eos;
                           the label is generated and matched, and also ranked by
-                          likelihood (FinetuneModel's text-to-text path)
+                          likelihood (FinetuneModel's text-to-text path); or, with
+                          text_to_text=False, the encoder alone reads "prefix: a (pair:
+                          b)" + eos and a head classifies its pooled states (EncT5,
+                          Liu et al. 2021); the decoder is not used
 Metrics: accuracy and macro F1 (text to text: of the generated labels, and rank_* of
 the ranked ones).
 """
@@ -27,7 +30,7 @@ from t5x_like.models.layers import compute_dtype
 @dataclasses.dataclass(frozen=True)
 class Classification(Task):
   """Options: pooler (BERT's pooler first), pooling ('cls': [CLS] / the last token;
-  'mean'), and for text to text target_length (label tokens + eos) and task_prefix."""
+  'mean'), and for T5 text_to_text, task_prefix and (text to text) target_length."""
 
   name: ClassVar[str] = "classification"
   # Every family: a head on its pair encoding, or text to text where it has none.
@@ -36,7 +39,10 @@ class Classification(Task):
   pooler: bool = True  # BERT classification through the pooler
   pooling: str = "cls"  # classification reads [CLS] (GPT: the last token) | mean
   target_length: int = 8  # text to text: label tokens + eos
-  task_prefix: str = "classify"  # text to text: "classify: <text>"
+  task_prefix: str = "classify"  # T5: "classify: <text>"
+  # T5: generate the label string (True), or a head on the encoder's pooled states
+  # (False: the encoder alone, EncT5; pooling="mean" is the one that reads every token)
+  text_to_text: bool = True
 
   def __post_init__(self):
     super().__post_init__()
@@ -49,10 +55,14 @@ class Classification(Task):
     return Example(text, pair, label=label_index(label, lookup, labels), line=line)
 
   def encode(self, example, tokenizer, family, label_names):
-    if family not in encoding.PAIR_ENCODINGS:  # text to text
+    if family in encoding.PAIR_ENCODINGS:
+      features, cut = encoding.encode_pair(tokenizer, example, family, self.max_length)
+    elif self.text_to_text:
       return encoding.encode_text_to_text(tokenizer, example, label_names, self.max_length,
                                           self.target_length, self.task_prefix)
-    features, cut = encoding.encode_pair(tokenizer, example, family, self.max_length)
+    else:  # T5's encoder alone
+      features, cut = encoding.encode_t5_inputs(tokenizer, example, self.max_length,
+                                                self.task_prefix)
     features["labels"] = np.int32(example.label)
     return features, cut
 
