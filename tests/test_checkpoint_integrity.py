@@ -298,6 +298,25 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
+def test_an_unfinished_save_recreated_by_a_late_write_is_removed_again(tmp_path):
+  """A write still in flight after a failed save (tensorstore's threads cannot be
+  joined) recreates the removed directory; it is removed again, and stays removed."""
+  import threading
+  import time
+  from t5x_like.checkpoint import space
+  unfinished = tmp_path / f"10{checkpoints.TMP_MARKER}"
+  (unfinished / "d").mkdir(parents=True)
+  def late_writes():
+    for _ in range(3):
+      time.sleep(0.15)
+      (unfinished / "d" / "ocdbt.process_0").mkdir(parents=True, exist_ok=True)
+  writer = threading.Thread(target=late_writes)
+  writer.start()
+  space.remove_unfinished(epath.Path(unfinished), quiet_s=0.5)
+  writer.join()
+  assert not unfinished.exists() and os.listdir(tmp_path) == []
+
+
 def _fill(disk: pathlib.Path, leave: int = 0) -> pathlib.Path:
   """A file taking all the free space of `disk` but `leave` bytes."""
   filler = disk / "filler"

@@ -295,7 +295,7 @@ class Checkpointer:
       for path in (self.directory / f"{step}{TMP_MARKER}", self.directory / str(step)):
         # <step>/ only when orbax committed it but the checksums did not fit: unsealed.
         if path.exists() and (path.name != str(step) or integrity.unfinished(path)):
-          path.rmtree()
+          space.remove_unfinished(path)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f"checkpoints_disk_full_{step}")
     self._manager.reload()

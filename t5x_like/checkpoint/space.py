@@ -80,6 +80,30 @@ def join_orbax_writers(timeout_s: float = 120.0) -> None:
       threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))  # not its re-raise
 
 
+def remove_unfinished(path, quiet_s: float = 1.0, timeout_s: float = 60.0) -> None:
+  """Removes the directory `path` (an epath) of a failed save and keeps it removed:
+  tensorstore's writes still in flight run in threads Python cannot join and recreate
+  their directories (mkdir needs no free blocks), so `path` is removed again until it
+  stayed absent for `quiet_s` (at most `timeout_s` in all)."""
+  deadline = time.monotonic() + timeout_s
+  absent_since = None
+  while time.monotonic() < deadline:
+    if path.exists():
+      absent_since = None
+      try:
+        path.rmtree()
+      except OSError:  # a late write created or removed an entry meanwhile: again
+        pass
+    elif absent_since is None:
+      absent_since = time.monotonic()
+    elif time.monotonic() - absent_since >= quiet_s:
+      return
+    time.sleep(0.02)
+  if path.exists():
+    logging.getLogger("t5x_like.checkpoint").warning(
+        "could not remove the unfinished checkpoint %s: writes kept recreating it", path)
+
+
 class DropDiskFull(logging.Filter):
   """For absl's and asyncio's loggers: orbax's threads log a full disk as ERROR with
   tracebacks; the Checkpointer reports it once, as one line."""
