@@ -82,9 +82,9 @@ def join_orbax_writers(timeout_s: float = 120.0) -> None:
 
 def remove_unfinished(path, quiet_s: float = 1.0, timeout_s: float = 60.0) -> None:
   """Removes the directory `path` (an epath) of a failed save and keeps it removed:
-  tensorstore's writes still in flight run in threads Python cannot join and recreate
-  their directories (mkdir needs no free blocks), so `path` is removed again until it
-  stayed absent for `quiet_s` (at most `timeout_s` in all)."""
+  tensorstore's writes still in flight run in threads Python cannot join and may
+  recreate their directories, so `path` is removed again until it stayed absent for
+  `quiet_s` (at most `timeout_s` in all)."""
   deadline = time.monotonic() + timeout_s
   absent_since = None
   while time.monotonic() < deadline:
