@@ -32,6 +32,9 @@ from t5x_like.models.config import ModelConfig
 from t5x_like.parallel import DEFAULT_RULES, mesh_from_config
 
 
+REMAT_AUTO = "auto"  # model.remat_policy: chosen by compiling (plan/remat.py)
+
+
 class ExperimentConfigError(UserError, ValueError):
   """A config that names what does not exist (an objective, a malformed phase)."""
 
@@ -72,7 +75,10 @@ def model_config_from(config, vocab_size: Optional[int]) -> ModelConfig:
   kernel, `vocab_size` ids (None: the preset's) and then model.overrides, which win.
   The one merge of config.model; raises ValueError / TypeError on an unknown field."""
   m = config.model
-  fields = dict(dtype=m.dtype, scan_layers=m.scan_layers, remat_policy=m.remat_policy,
+  # 'auto' is chosen by compiling (plan/remat.py resolve_remat) where a train step is
+  # built; until then, and for what takes no gradients (infer, export), it is 'none'.
+  remat = "none" if m.remat_policy == REMAT_AUTO else m.remat_policy
+  fields = dict(dtype=m.dtype, scan_layers=m.scan_layers, remat_policy=remat,
                 attention_impl=attention_impl(config))
   if vocab_size is not None:
     fields["vocab_size"] = vocab_size

@@ -150,6 +150,10 @@ class TrainBench:
     self.batch_shapes = {k: tuple(v.shape) for k, v in batches[0].items()}
     self.batches = [shard_batch(b, self.mesh, self.rules) for b in batches]
     optimizer, schedule = make_optimizer(config.optimizer, config.train.num_steps)
+    from t5x_like.plan.remat import resolve_config_remat  # model.remat_policy="auto"
+    self.model, self.remat = resolve_config_remat(config, self.model, optimizer, schedule,
+                                                  self.mesh, self.rules,
+                                                  batch_shapes=self.batch_shapes)
     self.rng = jax.random.key(config.seed)
     self.state, shardings = create_train_state(self.model, optimizer, self.mesh, self.rules,
                                                self.batch_shapes, jax.random.fold_in(self.rng, 1))
@@ -221,6 +225,7 @@ def bench_model(config: ml_collections.ConfigDict, *, steps: int = 10, warmup: i
       "model": config.model.preset, "family": cfg.family, "dtype": cfg.dtype,
       "layers": cfg.num_layers, "d_model": cfg.d_model, "params": bench.model.num_params(),
       "scan_layers": cfg.scan_layers, "remat_policy": cfg.remat_policy,
+      "remat_auto": bench.remat.to_json() if bench.remat else None,
       "attention_impl": cfg.attention_impl, "attention_kernels": bench.attention_kernels,
       "batch_shapes": {k: list(v) for k, v in bench.batch_shapes.items()},
       "optimizer": config.optimizer.name, "microbatches": config.train.microbatches,

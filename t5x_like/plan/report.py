@@ -24,6 +24,7 @@ from t5x_like.data.mixture import describe_data
 from t5x_like.models.attention_core import tracing_for
 from t5x_like.plan import compiled as compiled_lib
 from t5x_like.plan import fit as fit_lib
+from t5x_like.plan import remat as remat_lib
 from t5x_like.plan.memory import estimate_memory, per_device_batch_shapes
 from t5x_like.plan.params import param_table, spec_str
 from t5x_like.plan.shapes import Phase, model_vocab_size, plan_phases
@@ -204,6 +205,13 @@ def _make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: fl
     raise ValueError(f"cannot compile for {topology.name}: its {topology.num_devices}"
                      f" {topology.device_kind} devices are not all present here")
   real_mesh = None if devices is None else build_mesh(config, devices)[0]
+  remat = remat_lib.plan_remat(  # model.remat_policy="auto": the policy for this topology
+      config, model, optimizer, schedule, rules, [p.batch_shapes for p in phases],
+      memory_bytes=topology.memory_bytes or None, real_mesh=real_mesh,
+      estimate_total=lambda m, shapes: estimate_memory(
+          m, optimizer, mesh, table.shardings, table.abstract_params, shapes,
+          platform=topology.platform, microbatches=int(config.train.microbatches or 1)).total)
+  model = model if remat is None else remat_lib.with_policy(model, remat.policy)
   fit = None
   if fit_batch:
     if real_mesh is None or not topology.memory_bytes:
@@ -236,6 +244,7 @@ def _make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: fl
                 "seconds": seconds, "days": seconds / 86400,
                 "peak_memory_bytes": peak, "fits": _fits(peak, topology)},
       "compiled": real_mesh is not None,
+      "remat_auto": None if remat is None else remat.to_json(),
       "notes": _notes(config, table, mesh_shape, int(config.train.batch_size), topology,
                       compiled=real_mesh is not None),
   }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from t5x_like.plan.hlo import is_kernel_target
+from t5x_like.plan.remat import choice_lines
 
 _STATE_LABELS = (("params", "params (float32)"), ("opt_state", "optimizer state"),
                  ("batch", "batch (int32)"))
@@ -52,7 +53,7 @@ def _header(plan: dict, source: str) -> list[str]:
       f" sharded {plan['batch_spec']} over {shards} shards, microbatches"
       f" {plan['microbatches']}",
       _data_line(plan.get("data", {})),
-  ]
+  ] + choice_lines(plan.get("remat_auto"))
 
 
 def _data_line(data: dict) -> str:

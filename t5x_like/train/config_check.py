@@ -31,7 +31,8 @@ from t5x_like.data.mixture import EXHAUSTED, parse_mixture
 from t5x_like.data.pipeline import OBJECTIVES
 from t5x_like.data.prepared import VERIFY_MODES
 from t5x_like.errors import UserError
-from t5x_like.experiment import attention_impl, mesh_rules, model_config_from, phase_configs
+from t5x_like.experiment import (REMAT_AUTO, attention_impl, mesh_rules, model_config_from,
+                                 phase_configs)
 from t5x_like.models import Model, build_model
 from t5x_like.models.attention_core import choose_kernel
 from t5x_like.models.config import ATTENTION_IMPLS, DTYPES, PRESETS, REMAT_POLICIES, ModelConfig
@@ -155,7 +156,7 @@ def check_model(config, vocab_size: Optional[int],
   m = config.model
   _choice("model.preset", m.preset, PRESETS)
   _choice("model.dtype", m.dtype, DTYPES)
-  _choice("model.remat_policy", m.remat_policy, REMAT_POLICIES)
+  _choice("model.remat_policy", m.remat_policy, REMAT_POLICIES + (REMAT_AUTO,))
   _choice("model.attention_impl", attention_impl(config), ATTENTION_IMPLS)
   overrides = dict(m.overrides)
   check_fields("model.overrides", overrides)

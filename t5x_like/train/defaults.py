@@ -20,7 +20,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.model.overrides = ml_collections.ConfigDict()  # any ModelConfig field
   c.model.dtype = "float32"  # compute dtype (params stay float32): float32 | bfloat16
   c.model.scan_layers = False
-  c.model.remat_policy = "none"  # none | full | dots | dots_no_batch
+  # none | dots | dots_no_batch | full (least to most recomputation) | auto: the first
+  # of those whose compiled train step fits 90% of the device (plan/remat.py)
+  c.model.remat_policy = "none"
   # auto | explicit | xla | cudnn | pallas: the attention kernel (models/attention_core.py;
   # auto picks per backend, `t5x-like bench model` prints each attention's choice)
   c.model.attention_impl = "auto"

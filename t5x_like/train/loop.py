@@ -21,6 +21,7 @@ from t5x_like.experiment import (build_data, build_mesh, build_model_from_config
                                  config_vocab, global_batch_shapes, model_name,
                                  phase_configs)
 from t5x_like.parallel import shard_batch
+from t5x_like.plan.remat import resolve_config_remat
 from t5x_like.train import flops as flops_lib
 from t5x_like.train.config_check import local_device_memory, validate
 from t5x_like.train.metrics import perplexity, read_jsonl, summarize_train_metrics
@@ -86,6 +87,9 @@ def train(config: ml_collections.ConfigDict, workdir, *,
     mesh, rules = build_mesh(config)
     batch_shapes = global_batch_shapes(objective, tc.batch_size)
     optimizer, schedule = make_optimizer(config.optimizer, tc.num_steps)
+    model, remat = resolve_config_remat(config, model, optimizer, schedule, mesh, rules, vocab)
+    if remat is not None:  # model.remat_policy="auto", chosen by compiling
+      run.writer.log(remat.summary())
     run.writer.log(f"model {model_name(config)}: {model.num_params():,} params; mesh"
                    f" {dict(mesh.shape)}; {jax.process_count()} process(es); data"
                    f" {json.dumps({k: v for k, v in data_stats.items() if k != 'source'})};"
