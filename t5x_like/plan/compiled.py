@@ -13,7 +13,7 @@ a CPU host.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from t5x_like import parallel
 from t5x_like.plan import hlo
+from t5x_like.plan import roofline as roofline_lib
 from t5x_like.train.state import abstract_train_state
 from t5x_like.train.step import make_eval_step, make_train_step
 
@@ -55,12 +56,15 @@ def _flops(compiled) -> float:
   return float((cost or {}).get("flops", 0.0))
 
 
-def analyze(compiled, num_devices: int) -> dict[str, Any]:
+def analyze(compiled, num_devices: int,
+            chip: Optional[roofline_lib.Chip] = None) -> dict[str, Any]:
   """Memory, FLOPs, collectives and kernels of one compiled program (per device).
 
   flops_per_device is XLA's cost analysis, which counts a while loop's body once (a
   scanned layer stack: one layer); flops_corrected_per_device adds the matmul FLOPs of
-  the loops' other iterations, from the optimized HLO (hlo.summarize).
+  the loops' other iterations, from the optimized HLO (hlo.summarize). With `chip`, the
+  program's roofline on it under 'roofline' (roofline.py; no MFU ceiling: the caller
+  knows the model FLOPs), else None.
   """
   summary = hlo.summarize(hlo.parse_module(compiled.as_text()))
   per_device = _flops(compiled)
@@ -72,7 +76,9 @@ def analyze(compiled, num_devices: int) -> dict[str, Any]:
           "collectives": summary["collectives"], "kernels": summary["kernels"],
           "custom_calls": summary["custom_calls"],
           "loops": [{k: loop[k] for k in ("trip_count", "op_name")}
-                    for loop in summary["loops"]]}
+                    for loop in summary["loops"]],
+          "roofline": None if chip is None else roofline_lib.roofline(compiled, chip,
+                                                                      num_devices=num_devices)}
 
 
 def _replicated_key(mesh: Mesh):
@@ -83,17 +89,19 @@ def _replicated_key(mesh: Mesh):
 
 def compile_train_step(model, optimizer, schedule, mesh: Mesh, rules,
                        batch_shapes: Mapping[str, tuple], microbatches: int = 1,
-                       eval_step: bool = False) -> dict[str, Any]:
+                       eval_step: bool = False,
+                       chip: Optional[roofline_lib.Chip] = None) -> dict[str, Any]:
   """analyze() of the jitted train step on `mesh` for a global batch of `batch_shapes`
-  (feature -> shape); with eval_step, the eval step's under 'eval'."""
+  (feature -> shape); with eval_step, the eval step's under 'eval'; with chip, each
+  step's roofline on it."""
   state = abstract_train_state(model, optimizer, mesh, rules, batch_shapes)
   shardings = jax.tree.map(lambda x: x.sharding, state)
   batch = _abstract_batch(batch_shapes, mesh, rules)
   step = make_train_step(model, optimizer, schedule, microbatches=microbatches, mesh=mesh,
                          rules=rules, state_shardings=shardings, batch_shapes=batch_shapes)
-  out = analyze(step.lower(state, batch, _replicated_key(mesh)).compile(), mesh.size)
+  out = analyze(step.lower(state, batch, _replicated_key(mesh)).compile(), mesh.size, chip)
   if eval_step:
     evaluate = make_eval_step(model, mesh=mesh, rules=rules, state_shardings=shardings,
                               batch_shapes=batch_shapes)
-    out["eval"] = analyze(evaluate.lower(state.params, batch).compile(), mesh.size)
+    out["eval"] = analyze(evaluate.lower(state.params, batch).compile(), mesh.size, chip)
   return out

@@ -30,6 +30,7 @@ from t5x_like.plan.params import param_table, spec_str
 from t5x_like.plan.shapes import Phase, model_vocab_size, plan_phases
 from t5x_like.plan import tpu as tpu_lib
 from t5x_like.plan.topology import Topology, planned_mesh
+from t5x_like.plan import roofline as roofline_lib
 from t5x_like.train import flops as flops_lib
 from t5x_like.train.config_check import validate
 from t5x_like.experiment import (build_mesh, build_model_from_config, config_vocab,
@@ -115,6 +116,8 @@ def _phase_json(phase: Phase, model, optimizer, schedule, mesh, table, topology:
       "flops_per_step": flops, "flops_per_device": flops / topology.num_devices,
       "flops_breakdown": flops_lib.forward_flops_breakdown(model, phase.batch_shapes),
       "step_seconds": step_seconds, "seconds": step_seconds * phase.steps,
+      "step_seconds_at_mfu": step_seconds, "seconds_at_mfu": step_seconds * phase.steps,
+      "roofline": None,  # compiled: the step-time bound (roofline.py), then the headline
       "memory": memory.to_json(),
       "fits": _fits(memory.total, topology),
       "xla": None,
@@ -123,7 +126,8 @@ def _phase_json(phase: Phase, model, optimizer, schedule, mesh, table, topology:
     began = time.monotonic()
     xla = compiled_lib.compile_train_step(model, optimizer, schedule, real_mesh, rules,
                                           phase.batch_shapes, microbatches,
-                                          eval_step=eval_step)
+                                          eval_step=eval_step,
+                                          chip=roofline_lib.chip_for(topology))
     xla["compile_seconds"] = time.monotonic() - began
     xla["memory_ratio"] = memory.total / max(xla["memory"]["total_bytes"], 1)
     _judge(xla, flops, topology)
@@ -131,9 +135,32 @@ def _phase_json(phase: Phase, model, optimizer, schedule, mesh, table, topology:
       _judge(xla["eval"], flops_lib.forward_flops(model, phase.batch_shapes),
              topology)
     out["xla"] = xla
+    out["roofline"] = _roofline(xla, model, phase, flops, topology)
+    if out["roofline"] is not None:
+      out["step_seconds"] = out["roofline"]["seconds"]
+      out["seconds"] = out["step_seconds"] * phase.steps
     if fit is not None:
       out["fit_batch"] = fit(phase, xla["memory"]["total_bytes"])
   return out
+
+
+def _roofline(xla: dict, model, phase: Phase, flops: float,
+              topology: Topology) -> Optional[dict]:
+  """The train step's roofline with its MFU ceiling; the FLOPs of attention kernels the
+  HLO cannot see (Pallas without a cost estimate) added from the analytic count (3 x
+  the forward's attention matmuls, train/flops.py), over the devices."""
+  bound = xla.get("roofline")
+  if bound is None:
+    return None
+  hidden = [k for k in bound["uncounted_kernels"] if "attention" in k or "flash" in k]
+  extra = 0.0
+  if hidden:
+    attention = flops_lib.forward_flops_breakdown(model, phase.batch_shapes).get(
+        "attention", 0.0)
+    extra = 3.0 * attention / topology.num_devices
+  return roofline_lib.with_model_flops(
+      bound, flops, topology.num_devices, extra,
+      f"analytic attention FLOPs for {', '.join(sorted(hidden))}" if hidden else None)
 
 
 def _judge(xla: dict, analytic_flops: float, topology: Topology) -> None:
@@ -227,6 +254,7 @@ def _make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: fl
   peak = max(p["memory"]["total_bytes"] for p in planned)
   total_flops = sum(p["flops_per_step"] * p["steps"] for p in planned)
   seconds = sum(p["seconds"] for p in planned)
+  seconds_at_mfu = sum(p["seconds_at_mfu"] for p in planned)
   return {
       "model": _model_json(config, model),
       "optimizer": config.optimizer.name,
@@ -242,6 +270,8 @@ def _make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: fl
       "phases": planned,
       "total": {"steps": sum(p["steps"] for p in planned), "flops": total_flops,
                 "seconds": seconds, "days": seconds / 86400,
+                "seconds_at_mfu": seconds_at_mfu,
+                "roofline": all(p["roofline"] is not None for p in planned),
                 "peak_memory_bytes": peak, "fits": _fits(peak, topology)},
       "compiled": real_mesh is not None,
       "remat_auto": None if remat is None else remat.to_json(),

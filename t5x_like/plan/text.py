@@ -180,13 +180,38 @@ def _phase(phase: dict, plan: dict) -> list[str]:
     lines.append(_xla_flops("train step", x))
     if x.get("eval"):
       lines.append(_xla_flops("eval step ", x["eval"]))
-  lines.append(f"  at {plan['mfu']:.0%} MFU: {human_seconds(phase['step_seconds'])} per step,"
-               f" {human_seconds(phase['seconds'])} for the phase")
+  at_mfu = phase.get("step_seconds_at_mfu", phase["step_seconds"])
+  lines.append(f"  at {plan['mfu']:.0%} MFU: {human_seconds(at_mfu)} per step,"
+               f" {human_seconds(at_mfu * phase['steps'])} for the phase")
+  if phase.get("roofline"):
+    lines += roofline_lines(phase["roofline"], phase["steps"])
   lines += _memory(phase, plan)
   if x:
     lines += _collectives(x) + _kernels(x)
   if phase.get("fit_batch"):
     lines += _fit_batch(phase["fit_batch"], plan)
+  return lines
+
+
+def roofline_lines(r: dict, steps: int) -> list[str]:
+  """The train step's roofline (plan/roofline.py): the bound, its split, the MFU ceiling."""
+  chip = r["chip"]
+  ceiling = f"; MFU ceiling {r['mfu_ceiling']:.1%}" if r.get("mfu_ceiling") else ""
+  lines = [f"  roofline: step >= {human_seconds(r['seconds'])} = compute"
+           f" {human_seconds(r['compute_seconds'])} + memory {human_seconds(r['memory_seconds'])}"
+           f" + collectives {human_seconds(r['collective_seconds'])} (no overlap;"
+           f" {human_seconds(r['overlap_seconds'])} if collectives overlap fully){ceiling};"
+           f" {human_seconds(r['seconds'] * steps)} for the phase",
+           f"    per device at {chip['peak_flops'] / 1e12:.1f} TFLOP/s, HBM"
+           f" {chip['hbm_bandwidth'] / 1e9:.4g} GB/s, ICI {chip['ici_bandwidth'] / 1e9:.4g}"
+           f" GB/s: {r['flops']:.4g} FLOPs, {human_bytes(r['bytes'])} HBM traffic,"
+           f" {human_bytes(r['collective_bytes'])} collectives"]
+  if r.get("extra_flops_source"):
+    lines.append(f"    + {r['extra_flops']:.4g} FLOPs per device not in the HLO:"
+                 f" {r['extra_flops_source']}")
+  elif r.get("uncounted_kernels"):
+    lines.append("    FLOPs not counted (kernels without a cost estimate): "
+                 + ", ".join(f"{k} x{n}" for k, n in sorted(r["uncounted_kernels"].items())))
   return lines
 
 
@@ -221,8 +246,12 @@ def format_plan(plan: dict, source: str = "config") -> str:
   total = plan["total"]
   limit = plan["topology"]["memory_bytes_per_device"]
   of = f" of {human_bytes(limit)}" if limit else ""
+  at_mfu = total.get("seconds_at_mfu", total["seconds"])
+  time = (f"{human_seconds(total['seconds'])} by the roofline bound"
+          f" ({human_seconds(at_mfu)} at {plan['mfu']:.0%} MFU)" if total.get("roofline")
+          else f"{human_seconds(at_mfu)} at {plan['mfu']:.0%} MFU")
   lines += ["", f"total: {total['steps']:,} steps, {total['flops']:.4g} FLOPs,"
-            f" {human_seconds(total['seconds'])} at {plan['mfu']:.0%} MFU; peak memory"
+            f" {time}; peak memory"
             f" {human_bytes(total['peak_memory_bytes'])} per device{of}:"
             f" {_fits(total['fits'])}"]
   lines += [f"note: {n}" for n in plan["notes"]]

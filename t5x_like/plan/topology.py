@@ -26,24 +26,47 @@ GiB = 1 << 30
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-  """One accelerator generation: how its slice names count and what a device holds."""
+  """One accelerator generation: how its slice names count and what a device holds.
+
+  hbm_bandwidth, ici_bandwidth: bytes/s of one JAX device (a TensorCore on v2/v3, half
+  a chip's) to its HBM and over the interconnect (ICI; NVLink on GPUs) in one direction,
+  all links together; for plan/roofline.py. 0: unknown.
+  """
 
   device_kind: str  # as jax reports it: looks up the peak in train/flops.py
   platform: str  # tpu | gpu | cpu
   memory_bytes: int  # HBM per JAX device
   devices_per_host: int
   cores_per_device: int  # slice-name units per JAX device (v4-64 -> 64 / 2 = 32 devices)
+  hbm_bandwidth: float = 0.0
+  ici_bandwidth: float = 0.0
 
 
+GB = 10**9
+# Bandwidths per chip from the vendors' spec sheets (one JAX device on TPU v2/v3 is half
+# a chip: the two TensorCores share its HBM and links):
+#   v2, v3: Jouppi et al., "A domain-specific supercomputer for training deep neural
+#     networks", CACM 63(7), 2020, Table 3: HBM 700 / 900 GB/s; 4 ICI links of 496 /
+#     656 Gbit/s per chip.
+#   v4: cloud.google.com/tpu/docs/v4: HBM2 1200 GBps; 6 ICI links, 2400 Gbps per chip
+#     (Jouppi et al., "TPU v4", ISCA 2023).
+#   v5e: cloud.google.com/tpu/docs/v5e: HBM2 819 GBps; Interchip Interconnect BW 1600 Gbps.
+#   v5p: cloud.google.com/tpu/docs/v5p: HBM2e 2765 GBps; Interchip Interconnect BW 4800 Gbps.
+#   v6e: cloud.google.com/tpu/docs/v6e: HBM 1640 GBps; ICI bandwidth 3584 Gbps.
+#   A100 SXM 80GB: NVIDIA A100 datasheet: HBM2e 2,039 GB/s; NVLink 600 GB/s (both
+#     directions, so 300 one way).
+#   H100 SXM: NVIDIA H100 datasheet: HBM3 3.35 TB/s; NVLink 900 GB/s (450 one way).
+#   H200 SXM: NVIDIA H200 datasheet: HBM3e 4.8 TB/s, 141 GB; NVLink 900 GB/s.
 FAMILIES = {
-    "v2": Family("TPU v2", "tpu", 8 * GiB, 8, 1),
-    "v3": Family("TPU v3", "tpu", 16 * GiB, 8, 1),
-    "v4": Family("TPU v4", "tpu", 32 * GiB, 4, 2),
-    "v5e": Family("TPU v5 lite", "tpu", 16 * GiB, 4, 1),
-    "v5p": Family("TPU v5p", "tpu", 95 * GiB, 4, 2),
-    "v6e": Family("TPU v6 lite", "tpu", 32 * GiB, 4, 1),
-    "a100": Family("A100", "gpu", 80 * 10**9, 8, 1),
-    "h100": Family("H100", "gpu", 80 * 10**9, 8, 1),
+    "v2": Family("TPU v2", "tpu", 8 * GiB, 8, 1, 700 * GB / 2, 4 * 496e9 / 8 / 2),
+    "v3": Family("TPU v3", "tpu", 16 * GiB, 8, 1, 900 * GB / 2, 4 * 656e9 / 8 / 2),
+    "v4": Family("TPU v4", "tpu", 32 * GiB, 4, 2, 1200 * GB, 2400e9 / 8),
+    "v5e": Family("TPU v5 lite", "tpu", 16 * GiB, 4, 1, 819 * GB, 1600e9 / 8),
+    "v5p": Family("TPU v5p", "tpu", 95 * GiB, 4, 2, 2765 * GB, 4800e9 / 8),
+    "v6e": Family("TPU v6 lite", "tpu", 32 * GiB, 4, 1, 1640 * GB, 3584e9 / 8),
+    "a100": Family("A100", "gpu", 80 * 10**9, 8, 1, 2039 * GB, 300 * GB),
+    "h100": Family("H100", "gpu", 80 * 10**9, 8, 1, 3350 * GB, 450 * GB),
+    "h200": Family("H200", "gpu", 141 * 10**9, 8, 1, 4800 * GB, 450 * GB),
     "cpu": Family("cpu", "cpu", 0, 0, 1),  # memory and peak: of this host, measured
 }
 EXAMPLES = ("v3-32", "v3-128", "v4-64", "v5p-128", "v5e-16", "2xv5e-16", "cpu-8")
@@ -65,6 +88,8 @@ class Topology:
   peak_flops: float
   memory_bytes: int
   num_slices: int = 1  # TPU multi-slice ('2xv5e-16'): slices joined by the data-center network
+  hbm_bandwidth: float = 0.0  # bytes/s per device (Family's; 0: unknown, as on CPU)
+  ici_bandwidth: float = 0.0
 
   def devices_present(self) -> bool:
     """Whether this process sees exactly these devices (then the step can be compiled)."""
@@ -80,7 +105,7 @@ class Topology:
 def known_topologies() -> str:
   """The accepted name patterns, for error messages and --help."""
   return (f"<family>-<N> with family one of {sorted(FAMILIES)} (N = TensorCores for v2, v3,"
-          f" v4, v5p; chips for v5e, v6e; GPUs for a100, h100; devices for cpu), and K"
+          f" v4, v5p; chips for v5e, v6e; GPUs for a100, h100, h200; devices for cpu), and K"
           f" slices of a TPU one as Kx<family>-<N>, e.g."
           f" {', '.join(EXAMPLES)}")
 
@@ -123,7 +148,19 @@ def parse_topology(name: str, dtype: str = "bfloat16") -> Topology:
     peak /= 2  # TF32 tensor cores (see peak_flops_per_device)
   hosts = max(1, math.ceil(num_devices / family.devices_per_host))
   return Topology(name, family.platform, family.device_kind, num_devices * slices,
-                  hosts * slices, peak, family.memory_bytes, slices)
+                  hosts * slices, peak, family.memory_bytes, slices, family.hbm_bandwidth,
+                  family.ici_bandwidth)
+
+
+def family_of(device_kind: str) -> Family | None:
+  """The Family whose device_kind names `device_kind` ('TPU v5 lite', 'NVIDIA H100 80GB
+  HBM3'), longest name first; None for an unknown one."""
+  for family in sorted(FAMILIES.values(), key=lambda f: -len(f.device_kind)):
+    if family.platform != "cpu" and family.device_kind.lower() in device_kind.lower():
+      return family
+  if "tpu v5" in device_kind.lower():  # v5p devices report 'TPU v5'
+    return FAMILIES["v5p"]
+  return None
 
 
 def present_topology(dtype: str = "bfloat16") -> Topology:
@@ -136,9 +173,12 @@ def present_topology(dtype: str = "bfloat16") -> Topology:
   else:
     stats = device.memory_stats() or {}
     memory = int(stats.get("bytes_limit", 0))
+  family = family_of(device.device_kind) if device.platform != "cpu" else None
   return Topology(f"{len(devices)} x {device.device_kind}", device.platform,
                   device.device_kind, len(devices), jax.process_count(),
-                  flops_lib.peak_flops_per_device(device, dtype), memory)
+                  flops_lib.peak_flops_per_device(device, dtype), memory,
+                  hbm_bandwidth=family.hbm_bandwidth if family else 0.0,
+                  ici_bandwidth=family.ici_bandwidth if family else 0.0)
 
 
 def planned_mesh(mesh_cfg, num_devices: int) -> AbstractMesh:

@@ -1,0 +1,288 @@
+"""The roofline step time (t5x_like/plan/roofline.py): per op max(flops / peak, bytes /
+HBM bandwidth), collectives at the ring cost over the ICI, summed with loop trip counts.
+
+Expected values are worked out by hand here from the shapes in the HLO text and the
+formulas (Williams et al., "Roofline", CACM 2009; ring all-reduce 2(n-1)/n), not from the
+code under test. The TPU tier compiles a smoke config for a v5e-4 slice (libtpu,
+deviceless) and checks the plan's roofline against its own collectives.
+"""
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from t5x_like import cli
+from t5x_like.command_flags import load_config_file
+from t5x_like.plan import roofline
+from t5x_like.plan.report import make_plan
+from t5x_like.plan.text import format_plan, roofline_lines
+from t5x_like.plan.topology import FAMILIES, Topology, parse_topology
+
+CONFIGS = pathlib.Path(__file__).parents[1] / "configs"
+
+# A 5-iteration loop holding a bf16 [512,1024] x [1024,512] matmul fusion, a fusion that
+# slices one row of a stacked f32[6,1024] array, and an all-reduce of that row over 4
+# devices; then, once: an all-gather of a f32[1,1024] row over 4, a collective-permute
+# of it, a Mosaic kernel with a cost estimate and one without.
+FIXTURE = """HloModule fixture, is_scheduled=true, num_partitions=4
+
+%fused_dot (param_0: bf16[512,1024], param_1: bf16[1024,512]) -> bf16[512,512] {
+  %param_0 = bf16[512,1024]{1,0} parameter(0)
+  %param_1 = bf16[1024,512]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[512,512]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_row (param_0.1: f32[6,1024], param_1.1: s32[]) -> f32[1,1024] {
+  %param_0.1 = f32[6,1024]{1,0} parameter(0)
+  %param_1.1 = s32[] parameter(1)
+  %zero.1 = s32[] constant(0)
+  ROOT %row.1 = f32[1,1024]{1,0} dynamic-slice(%param_0.1, %param_1.1, %zero.1), dynamic_slice_sizes={1,1024}
+}
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (loop: (s32[], f32[6,1024], bf16[512,1024], bf16[1024,512])) -> (s32[], f32[6,1024], bf16[512,1024], bf16[1024,512]) {
+  %loop = (s32[], f32[6,1024]{1,0}, bf16[512,1024]{1,0}, bf16[1024,512]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%loop), index=0
+  %stack = f32[6,1024]{1,0} get-tuple-element(%loop), index=1
+  %x = bf16[512,1024]{1,0} get-tuple-element(%loop), index=2
+  %w = bf16[1024,512]{1,0} get-tuple-element(%loop), index=3
+  %mm = bf16[512,512]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_dot
+  %row = f32[1,1024]{1,0} fusion(%stack, %i), kind=kLoop, calls=%fused_row
+  %ar = f32[1,1024]{1,0} all-reduce(%row), replica_groups={{0,1,2,3}}, to_apply=%sum
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = (s32[], f32[6,1024]{1,0}, bf16[512,1024]{1,0}, bf16[1024,512]{1,0}) tuple(%next, %stack, %x, %w)
+}
+
+%cond (loop.1: (s32[], f32[6,1024], bf16[512,1024], bf16[1024,512])) -> pred[] {
+  %loop.1 = (s32[], f32[6,1024]{1,0}, bf16[512,1024]{1,0}, bf16[1024,512]{1,0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%loop.1), index=0
+  %n = s32[] constant(5)
+  ROOT %lt = pred[] compare(%i.1, %n), direction=LT
+}
+
+ENTRY %main (x.1: bf16[512,1024], w.1: bf16[1024,512], stack.1: f32[6,1024], r: f32[1,1024]) -> f32[4,1024] {
+  %x.1 = bf16[512,1024]{1,0} parameter(0)
+  %w.1 = bf16[1024,512]{1,0} parameter(1)
+  %stack.1 = f32[6,1024]{1,0} parameter(2)
+  %r = f32[1,1024]{1,0} parameter(3)
+  %start = s32[] constant(0)
+  %init = (s32[], f32[6,1024]{1,0}, bf16[512,1024]{1,0}, bf16[1024,512]{1,0}) tuple(%start, %stack.1, %x.1, %w.1)
+  %while = (s32[], f32[6,1024]{1,0}, bf16[512,1024]{1,0}, bf16[1024,512]{1,0}) while(%init), condition=%cond, body=%body
+  %custom-call.1 = bf16[512,512]{1,0} custom-call(%x.1, %w.1), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body": "TUxJUgA=", "cost_estimate": {"flops": 1000000, "transcendentals": 0, "bytes_accessed": 2000}}}, metadata={op_name="jit(f)/estimated_kernel/pallas_call"}
+  %custom-call.2 = bf16[512,512]{1,0} custom-call(%x.1, %w.1), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body": "TUxJUgA="}}, metadata={op_name="jit(f)/blind_kernel/pallas_call"}
+  %cp = f32[1,1024]{1,0} collective-permute(%r), source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  ROOT %ag = f32[4,1024]{1,0} all-gather(%cp), replica_groups=[1,4]<=[4], dimensions={0}
+}
+"""
+
+CHIP = roofline.Chip("fixture", peak_flops=1e11, hbm_bandwidth=1e9, ici_bandwidth=1e8)
+
+
+def test_hand_written_hlo_bound_is_the_sum_of_its_ops_by_hand():
+  peak, hbm, ici = 1e11, 1e9, 1e8
+  # loop body, 5 times: the matmul fusion reads x, w and writes the product (bf16)
+  mm_flops = 2 * 512 * 512 * 1024
+  mm_bytes = 2 * (512 * 1024 + 1024 * 512 + 512 * 512)
+  assert mm_flops / peak > mm_bytes / hbm  # compute-bound
+  row_bytes = 1024 * 4 + 4 + 1024 * 4  # reads one row (not the stack) and the index
+  add_bytes = 3 * 4  # i + 1: two s32 read, one written
+  compare_bytes = 4 + 4 + 1  # the condition, run once per iteration too
+  loop_memory = 5 * (row_bytes + add_bytes + compare_bytes) / hbm
+  all_reduce = 5 * 2 * 3 / 4 * (1024 * 4) / ici
+  # once: the kernel with a cost estimate (compute-bound), the one without (memory)
+  k1 = 1e6 / peak
+  k2_bytes = 2 * (512 * 1024 + 1024 * 512 + 512 * 512)
+  permute = 1024 * 4 / ici
+  all_gather = 3 / 4 * (4 * 1024 * 4) / ici
+
+  bound = roofline.bound_of_ops(roofline.hlo_ops(FIXTURE), CHIP, model_flops=1e10,
+                                num_devices=4)
+  assert bound["compute_seconds"] == pytest.approx(5 * mm_flops / peak + k1, rel=1e-12)
+  assert bound["memory_seconds"] == pytest.approx(loop_memory + k2_bytes / hbm, rel=1e-12)
+  assert bound["collective_seconds"] == pytest.approx(all_reduce + permute + all_gather,
+                                                      rel=1e-12)
+  total = 5 * mm_flops / peak + k1 + loop_memory + k2_bytes / hbm + all_reduce + permute + \
+      all_gather
+  assert bound["seconds"] == pytest.approx(total, rel=1e-12)
+  comm = all_reduce + permute + all_gather
+  assert bound["overlap_seconds"] == pytest.approx(max(total - comm, comm), rel=1e-12)
+  assert bound["mfu_ceiling"] == pytest.approx(1e10 / (total * 4 * peak), rel=1e-12)
+  assert bound["flops"] == 5 * mm_flops + 1e6  # the blind kernel's FLOPs: not counted
+  assert bound["uncounted_kernels"] == {"blind_kernel": 1}
+  assert bound["collective_bytes"] == 5 * 4096 + 4096 + 4 * 4096
+
+
+def test_loop_bodies_count_once_without_trip_counts():
+  once = roofline.hlo_ops(FIXTURE, trips=False)
+  with_trips = roofline.hlo_ops(FIXTURE)
+  mm = lambda ops: sum(o.times * o.flops for o in ops if o.opcode == "fusion")
+  assert mm(with_trips) == 5 * mm(once) == 5 * 2 * 512 * 512 * 1024
+
+
+def test_extra_kernel_flops_go_to_compute_and_lower_the_mfu_ceiling():
+  bound = roofline.bound_of_ops(roofline.hlo_ops(FIXTURE), CHIP)
+  more = roofline.with_model_flops(bound, 1e10, 4, extra_flops=2e9, extra_source="test")
+  assert more["compute_seconds"] == pytest.approx(bound["compute_seconds"] + 2e9 / 1e11)
+  assert more["seconds"] == pytest.approx(bound["seconds"] + 2e9 / 1e11)
+  assert more["mfu_ceiling"] == pytest.approx(1e10 / (more["seconds"] * 4 * 1e11))
+
+
+def test_group_sizes_from_every_replica_group_form():
+  reader = roofline._Reader(roofline.hlo.parse_module(FIXTURE), FIXTURE, 8)
+  inst = lambda attrs: roofline.hlo.Instruction("x", "all-reduce", [], [], attrs, {})
+  assert reader.group_size(inst("replica_groups={{0,2},{1,3}}, to_apply=%sum")) == 2
+  assert reader.group_size(inst("replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%s")) == 4
+  assert reader.group_size(inst("replica_groups=mesh['axis_0'=4,'axis_1'=2,'axis_2'=1]"
+                                " {'axis_0','axis_2'}, use_global_device_ids=true")) == 4
+  assert reader.group_size(inst("replica_groups={}, to_apply=%sum")) == 8
+
+
+def test_vmem_operands_and_results_are_not_hbm_traffic():
+  """XLA:TPU layouts mark VMEM as memory space S(1): a fusion reading a VMEM copy of a
+  weight and writing to VMEM moves only its HBM operand; copy-start moves the weight."""
+  text = """HloModule vmem, num_partitions=1
+
+%fused (p: f32[256,256], q: f32[256,256]) -> f32[256,256] {
+  %p = f32[256,256]{1,0} parameter(0)
+  %q = f32[256,256]{1,0} parameter(1)
+  ROOT %m = f32[256,256]{1,0} multiply(%p, %q)
+}
+
+ENTRY %main (a: f32[256,256], b: f32[256,256]) -> f32[256,256] {
+  %a = f32[256,256]{1,0:T(8,128)} parameter(0)
+  %b = f32[256,256]{1,0:T(8,128)} parameter(1)
+  %cs = (f32[256,256]{1,0:T(8,128)S(1)}, f32[256,256]{1,0:T(8,128)}, u32[]{:S(2)}) copy-start(%b)
+  %cd = f32[256,256]{1,0:T(8,128)S(1)} copy-done(%cs)
+  ROOT %f = f32[256,256]{1,0:T(8,128)S(1)} fusion(%a, %cd), kind=kLoop, calls=%fused
+}
+"""
+  ops = {o.name: o for o in roofline.hlo_ops(text)}
+  size = 256 * 256 * 4
+  assert ops["cs"].bytes == size  # HBM read of b; its VMEM copy is free
+  assert ops["f"].bytes == size  # reads a from HBM; b and the result are in VMEM
+
+
+def test_cpu_compiled_matmul_bound_is_its_flops_over_peak_or_bytes_over_bandwidth():
+  a = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+  b = jax.ShapeDtypeStruct((128, 32), jnp.float32)
+  compiled = jax.jit(lambda x, y: x @ y).lower(a, b).compile()
+  flops = 2 * 64 * 32 * 128
+  moved = 4 * (64 * 128 + 128 * 32 + 64 * 32)
+  fast_memory = roofline.Chip("cpu", 1e9, 1e30, 1e30)
+  bound = roofline.roofline(compiled, fast_memory, model_flops=flops, num_devices=1)
+  assert bound["seconds"] == pytest.approx(flops / 1e9, rel=1e-9)
+  assert bound["mfu_ceiling"] == pytest.approx(1.0, rel=1e-9)
+  fast_math = roofline.Chip("cpu", 1e30, 1e9, 1e30)
+  bound = roofline.roofline(compiled, fast_math)
+  assert bound["seconds"] == pytest.approx(moved / 1e9, rel=1e-9)
+  assert bound["bytes"] == bound["bytes_once"] == bound["xla_bytes_accessed"] == moved
+
+
+def test_chip_facts_per_generation():
+  """HBM and ICI bandwidths per JAX device from the spec sheets (topology.py's sources):
+  half a chip's on v2/v3 (two TensorCores per chip)."""
+  want = {"v2": (350e9, 124e9), "v3": (450e9, 164e9), "v4": (1200e9, 300e9),
+          "v5e": (819e9, 200e9), "v5p": (2765e9, 600e9), "v6e": (1640e9, 448e9),
+          "h100": (3350e9, 450e9), "h200": (4800e9, 450e9)}
+  for name, (hbm, ici) in want.items():
+    family = FAMILIES[name]
+    assert (family.hbm_bandwidth, family.ici_bandwidth) == pytest.approx((hbm, ici)), name
+  chip = roofline.chip_for(parse_topology("v5e-16"))
+  assert (chip.peak_flops, chip.hbm_bandwidth, chip.ici_bandwidth) == (197e12, 819e9, 200e9)
+  assert roofline.chip_for(Topology("cpu-8", "cpu", "cpu", 8, 1, 1e9, 1 << 30)) is None
+
+
+# ------------------------------------------------------------------ the plan
+def _smoke_plan(compile_step: str = "auto", **topology_fields) -> dict:
+  config = load_config_file(f"{CONFIGS / 'bert_cpu.py'}:smoke")
+  topology = Topology("cpu-8", "cpu", "cpu", 8, 1, 1e12, 1 << 30, **topology_fields)
+  return make_plan(config, topology, eval_step=False, compile_step=compile_step)
+
+
+@pytest.mark.slow
+def test_compiled_plan_times_its_phases_by_the_roofline():
+  """cpu-8 with made-up bandwidths (CPU has none of its own): the plan compiles the real
+  train step and its headline time is the roofline's, the assumed-MFU time beside it."""
+  plan = _smoke_plan(hbm_bandwidth=1e11, ici_bandwidth=1e10)
+  phase, = plan["phases"]
+  r = phase["roofline"]
+  assert r["seconds"] == pytest.approx(r["compute_seconds"] + r["memory_seconds"] +
+                                       r["collective_seconds"])
+  assert r["collective_seconds"] > 0  # data parallel over 8: gradients all-reduced
+  assert r["mfu_ceiling"] == pytest.approx(
+      phase["flops_per_step"] / (r["seconds"] * 8 * 1e12))
+  assert phase["step_seconds"] == r["seconds"]
+  assert phase["seconds"] == r["seconds"] * phase["steps"]
+  assert phase["step_seconds_at_mfu"] == pytest.approx(
+      phase["flops_per_step"] / (8 * 1e12 * plan["mfu"]))
+  assert plan["total"]["roofline"] is True
+  text = format_plan(plan)
+  assert "roofline: step >= " in text and "MFU ceiling" in text
+  assert "at 40% MFU" in text and "by the roofline bound" in text
+  json.dumps(plan)  # the plan stays JSON
+
+
+def test_roofline_lines_show_the_bound_its_split_and_mfu_ceiling():
+  bound = roofline.bound_of_ops(roofline.hlo_ops(FIXTURE), CHIP)
+  r = roofline.with_model_flops(bound, 1e10, 4, 1e9, "analytic attention")
+  text = "\n".join(roofline_lines(r, steps=1000))
+  parts = " + ".join(f"{name} {r[key] * 1e3:.1f} ms" for name, key in (
+      ("compute", "compute_seconds"), ("memory", "memory_seconds"),
+      ("collectives", "collective_seconds")))
+  assert f"roofline: step >= {r['seconds'] * 1e3:.1f} ms = {parts} (no overlap;" in text
+  assert f"MFU ceiling {1e10 / (r['seconds'] * 4 * 1e11):.1%}" in text
+  assert f"{r['seconds'] * 1000:.2f} s for the phase" in text
+  assert "0.1 TFLOP/s, HBM 1 GB/s, ICI 0.1 GB/s" in text
+  assert "+ 1e+09 FLOPs per device not in the HLO: analytic attention" in text
+
+
+@pytest.mark.slow
+def test_plan_text_puts_the_roofline_beside_the_assumed_mfu_time():
+  """Uncompiled, the plan keeps the assumed-MFU time; given a roofline (the fixture's),
+  its text shows the bound, its split and MFU ceiling, with the MFU time beside it."""
+  plan = _smoke_plan(compile_step="no")
+  phase, = plan["phases"]
+  assert phase["roofline"] is None and phase["xla"] is None
+  assert phase["step_seconds"] == phase["step_seconds_at_mfu"]
+  assert "roofline" not in format_plan(plan)
+  bound = roofline.bound_of_ops(roofline.hlo_ops(FIXTURE), CHIP)
+  phase["roofline"] = roofline.with_model_flops(bound, 1e10, 4, 1e9, "analytic attention")
+  plan["total"]["roofline"] = True
+  text = format_plan(plan)
+  seconds = phase["roofline"]["seconds"]
+  assert f"roofline: step >= {seconds * 1e3:.1f} ms = compute" in text
+  assert f"MFU ceiling {1e10 / (seconds * 4 * 1e11):.1%}" in text
+  assert "+ 1e+09 FLOPs per device not in the HLO: analytic attention" in text
+  assert f"at {plan['mfu']:.0%} MFU" in text and "by the roofline bound" in text
+
+
+# ------------------------------------------------------------------ TPU (libtpu)
+@pytest.mark.tpu
+def test_v5e_plan_roofline_costs_its_gradient_all_reduce_on_the_ring(capsys):
+  pytest.importorskip("libtpu")
+  rc = cli.main(["plan", "--config", f"{CONFIGS / 'bert_cpu.py'}:smoke", "--topology",
+                 "v5e-4", "--compile=yes", "--json"])
+  out = capsys.readouterr()
+  assert rc == 0, out.err
+  plan = json.loads(out.out)
+  phase, = plan["phases"]
+  r = phase["roofline"]
+  ici = 1600e9 / 8  # v5e: 1600 Gbps per chip
+  all_reduce = phase["xla"]["collectives"]["all-reduce"]["bytes"]
+  assert set(phase["xla"]["collectives"]) == {"all-reduce"}
+  assert r["collective_seconds"] == pytest.approx(2 * 3 / 4 * all_reduce / ici)
+  assert r["chip"] == {"name": "TPU v5 lite", "peak_flops": 197e12,
+                       "hbm_bandwidth": 819e9, "ici_bandwidth": ici}
+  assert 0 < r["mfu_ceiling"] <= 1
+  assert r["flops"] >= phase["xla"]["matmul_flops_per_device"]
+  assert phase["step_seconds"] == r["seconds"]
