@@ -239,7 +239,7 @@ def test_kernel_follows_the_mesh_platform_not_the_host():
     ("cpu", jnp.float32, True, 512, "explicit"),
     ("gpu", jnp.bfloat16, False, 512, "cudnn"),
     ("gpu", jnp.float32, False, 512, "xla"),  # cuDNN flash attention is 16-bit only
-    ("gpu", jnp.bfloat16, True, 512, "explicit"),  # dropout from the step's key
+    ("gpu", jnp.bfloat16, True, 512, "pallas_gpu"),  # dropout from the step's key
     ("tpu", jnp.bfloat16, False, 512, "pallas"),
     ("tpu", jnp.bfloat16, False, 114, "explicit"),  # not a multiple of the 128 block
     ("tpu", jnp.bfloat16, True, 512, "pallas"),  # dropout inside the kernel

@@ -23,6 +23,12 @@ Kernels (config.attention_impl; attention_kernels.py holds the fused ones):
   [1 or B, N, T, S] with its gradient read block by block, and dropout drawn inside
   the kernel from the same hash as the explicit kernel's; on CPU it runs in Pallas
   interpret mode inside `pallas_interpret()` (tests).
+- "pallas_gpu": our Pallas flash-attention kernel for GPUs (pallas_gpu_flash.py, Triton
+  lowering) in the same shard_map with the same masks, bias gradient and hashed
+  dropout mask as "pallas": "auto" takes it on a GPU when attention dropout is on (BERT
+  recipes), so a dropout step neither writes [B, N, T, S] probabilities to HBM nor
+  draws cuDNN's own mask; power-of-two head dims in [16, 256], lengths multiples of 16.
+  Interpret mode inside `pallas_interpret()` as "pallas" (configured explicitly).
 "auto" picks per platform and call (choose_kernel). The platform is the one the step is
 compiled for: the devices of the mesh being traced under (a TPU slice compiled from a
 CPU host picks TPU kernels), else jax.default_backend(); and their generation (Mosaic
@@ -123,7 +129,7 @@ _explicit.defvjp(_explicit_fwd, _explicit_bwd)
 # ------------------------------------------------------------------- choice of kernel
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
-  kernel: str  # explicit | xla | cudnn | pallas
+  kernel: str  # explicit | xla | cudnn | pallas | pallas_gpu
   reason: str
 
 
@@ -140,6 +146,8 @@ def choose_kernel(impl: str, *, backend: str, dtype, head_dim: int, q_len: int, 
   cudnn_why = attention_kernels.cudnn_unsupported(backend, dtype, head_dim)
   pallas_why = attention_kernels.pallas_unsupported(backend, q_len, kv_len, head_dim, interpret,
                                                     dtype=dtype, device_kind=device_kind)
+  gpu_why = attention_kernels.pallas_gpu_unsupported(backend, dtype, head_dim, q_len, kv_len,
+                                                     interpret)
   if impl == "explicit":
     return KernelChoice("explicit", "configured")
   if impl == "xla":
@@ -155,12 +163,20 @@ def choose_kernel(impl: str, *, backend: str, dtype, head_dim: int, q_len: int, 
     if pallas_why:
       raise ValueError(f"attention_impl='pallas': {pallas_why}")
     return KernelChoice("pallas", "configured")
+  if impl == "pallas_gpu":
+    if gpu_why:
+      raise ValueError(f"attention_impl='pallas_gpu': {gpu_why}")
+    return KernelChoice("pallas_gpu", "configured")
   # auto
   if backend == "gpu":
+    if dropout and not gpu_why:
+      return KernelChoice("pallas_gpu", "GPU with attention dropout: Pallas (Triton) flash"
+                          " attention, its mask hashed from the step's dropout key")
     if dropout:
-      return KernelChoice("explicit", "attention dropout: the explicit kernel draws its mask"
-                          " from the step's dropout key (exact resume); set"
-                          " attention_impl='cudnn' for cuDNN's fused dropout")
+      return KernelChoice("explicit", f"attention dropout without the Pallas GPU kernel"
+                          f" ({gpu_why}): the explicit kernel draws its mask from the step's"
+                          " dropout key (exact resume); set attention_impl='cudnn' for"
+                          " cuDNN's fused dropout")
     if not cudnn_why:
       return KernelChoice("cudnn", "GPU: cuDNN flash attention")
     return KernelChoice("xla", f"GPU without cuDNN flash attention ({cudnn_why})")
@@ -253,8 +269,10 @@ def attend(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, *,
     return attention_kernels.cudnn_attention(
         q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias=bias, mask=mask, scale=scale,
         dropout_rate=dropout_rate if dropout else 0.0)
-  if choice.kernel == "pallas":
-    return attention_kernels.pallas_attention(
+  if choice.kernel in ("pallas", "pallas_gpu"):
+    fused = (attention_kernels.pallas_attention if choice.kernel == "pallas"
+             else attention_kernels.pallas_gpu_attention)
+    return fused(
         q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias=bias, mask=mask, scale=scale,
         dropout_rate=dropout_rate if dropout else 0.0, dropout_rng=dropout_rng)
   dense = mask.dense() if isinstance(mask, MaskSpec) else mask

@@ -1,8 +1,11 @@
-"""Fused attention kernels behind attention_core.attend: cuDNN (GPU) and Pallas (TPU).
+"""Fused attention kernels behind attention_core.attend: cuDNN (GPU), Pallas (TPU) and
+Pallas GPU (Triton).
 
   out_BxTxNxH = cudnn_attention(q, k, v, bias=, mask=, scale=, dropout_rate=)
   out_BxTxNxH = pallas_attention(q, k, v, bias=, mask=, scale=, dropout_rate=, dropout_rng=)
-  with pallas_interpret(): ...   # the Pallas kernel on CPU, in interpret mode (tests)
+  out_BxTxNxH = pallas_gpu_attention(q, k, v, bias=, mask=, scale=, dropout_rate=,
+                                     dropout_rng=)
+  with pallas_interpret(): ...   # the Pallas kernels on CPU, in interpret mode (tests)
 
 q [B, T, N, H]; k, v [B, S, K, H] (K divides N); bias [1 or B, N, T, S]; mask a boolean
 [B, 1, T, S] or its masks.MaskSpec. `*_unsupported` say why a kernel cannot run a call
@@ -27,6 +30,14 @@ global batch and head offsets: the explicit kernel's mask. The kernel computes
 softmax(q k^T + bias), so q is scaled before it. Blocks are 128 long: T and S must be
 multiples of 128. `pallas_interpret()` (or T5X_LIKE_PALLAS_INTERPRET=1 in the
 environment, for a trainer in a subprocess) runs it in interpret mode on any backend.
+
+Pallas GPU: our flash-attention kernel for GPUs (pallas_gpu_flash.py, Pallas' Triton
+lowering: the `__gpu$xla.gpu.triton` custom call) in the same shard_map, with the same
+mask encoding, scaled q and in-kernel hashed dropout (the explicit kernel's mask): the
+fused kernel for GPU steps with attention dropout, where cuDNN's dropout would draw
+its own mask. It reads q, k, v in [B, T, N, H] (no transposes); needs a power-of-two
+head dim in [16, 256] and lengths that are multiples of 16; GQA repeats key/value heads
+to N before the kernel. pallas_interpret() runs it in interpret mode too.
 """
 
 from __future__ import annotations
@@ -167,18 +178,11 @@ def _part(axes: tuple[str, ...]):
   return None if not axes else (axes[0] if len(axes) == 1 else axes)
 
 
-def pallas_attention(q: Array, k: Array, v: Array, *, bias: Optional[Array],
-                     mask: Union[Array, MaskSpec, None], scale: float,
-                     dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None) -> Array:
-  """[B, T, N, H] through our Pallas flash-attention kernel (pallas_flash.py), inside
-  shard_map over the traced step's mesh: batch over its batch axes, heads over its
-  tensor axis (the logical rules of 'batch' and 'heads'), so a Mosaic kernel, which XLA
-  cannot partition, runs per shard. Each shard passes its global batch and head offsets
-  so that dropout draws the global (b, h, q, k) mask.
-  """
-  from t5x_like.models import dropout_hash, pallas_flash  # noqa: PLC0415
-  b, t, n, _ = q.shape
-  s, kv_heads = k.shape[1], k.shape[2]
+def _mask_operands(mask: Union[Array, MaskSpec, None], bias: Optional[Array], b: int, t: int,
+                   s: int, n: int):
+  """(causal, q_seg [B, T], kv_seg [B, S], prefix [B, T], bias) of a mask for the flash
+  kernels: segment ids where padding keys get a segment no query has, a causal flag,
+  prefix-LM flags; a dense mask is folded into a [B, N, T, S] bias."""
   causal = False
   q_seg = kv_seg = prefix = None
   if isinstance(mask, MaskSpec) or mask is None:
@@ -189,7 +193,6 @@ def pallas_attention(q: Array, k: Array, v: Array, *, bias: Optional[Array],
                  else jnp.ones((b, t), jnp.int32)).astype(jnp.int32)
         kv_seg = (mask.kv_segments if mask.kv_segments is not None
                   else jnp.ones((b, s), jnp.int32)).astype(jnp.int32)
-        # Padding keys get a segment no query has.
         kv_seg = jnp.where(mask.key_valid_or_ones(), kv_seg, -1)
       if mask.prefix is not None:
         prefix = mask.prefix.astype(bool)
@@ -197,13 +200,28 @@ def pallas_attention(q: Array, k: Array, v: Array, *, bias: Optional[Array],
     dense = _dense(mask, (b, 1, t, s))
     base = jnp.zeros((1, n, t, s), jnp.float32) if bias is None else bias.astype(jnp.float32)
     bias = jnp.where(dense, base, _PALLAS_MASKED)
+  return causal, q_seg, kv_seg, prefix, bias
+
+
+def _flash_in_shard_map(run, q: Array, k: Array, v: Array, *, bias: Optional[Array],
+                        mask: Union[Array, MaskSpec, None], scale: float, dropout_rate: float,
+                        dropout_rng: Optional[Array]) -> Array:
+  """[B, T, N, H] of a flash kernel `run(q, k, v, bias, q_seg, kv_seg, prefix, causal,
+  rate, seeds, batch_offset, head_offset) -> [B, T, N, H]` (the shard's), inside
+  shard_map over the traced step's mesh: batch over its batch axes, heads over its
+  tensor axis (the logical rules of 'batch' and 'heads'), so a custom kernel, which
+  XLA cannot partition, runs per shard. Each shard passes its global batch and head
+  offsets so that dropout draws the global (b, h, q, k) mask."""
+  from t5x_like.models import dropout_hash  # noqa: PLC0415
+  b, t, n, _ = q.shape
+  s, kv_heads = k.shape[1], k.shape[2]
+  causal, q_seg, kv_seg, prefix, bias = _mask_operands(mask, bias, b, t, s, n)
   dropout = dropout_rate > 0.0 and dropout_rng is not None
+  rate = dropout_rate if dropout else 0.0
   seeds = (dropout_hash.dropout_seeds(dropout_rng) if dropout
            else jnp.zeros((2,), jnp.int32))
-  # The kernel computes softmax(q k^T + bias): scaling q first gives q k^T * scale + bias.
+  # The kernels compute softmax(q k^T + bias): scaling q first gives q k^T * scale + bias.
   q = q if scale == 1.0 else q * jnp.asarray(scale, q.dtype)
-  to_bnth = lambda x: jnp.swapaxes(x, 1, 2)
-  interpret = pallas_interpreting()
 
   plan = _sharding_plan(b, n, kv_heads)
   if plan is not None and kv_heads != n and plan[2] != plan[3]:
@@ -213,16 +231,8 @@ def pallas_attention(q: Array, k: Array, v: Array, *, bias: Optional[Array],
     kv_heads = n
     plan = plan[:3] + (plan[2],)
 
-  def run(q, k, v, bias, q_seg, kv_seg, prefix, seeds, batch_offset, head_offset):
-    return pallas_flash.flash_attention(
-        to_bnth(q), to_bnth(k), to_bnth(v), bias=bias, q_segments=q_seg,
-        kv_segments=kv_seg, causal=causal, q_prefix=prefix, kv_prefix=prefix,
-        dropout_rate=dropout_rate if dropout else 0.0, dropout_seeds=seeds,
-        batch_offset=batch_offset, head_offset=head_offset, interpret=interpret)
-
   if plan is None:
-    out = run(q, k, v, bias, q_seg, kv_seg, prefix, seeds, 0, 0)
-    return to_bnth(out).astype(q.dtype)
+    return run(q, k, v, bias, q_seg, kv_seg, prefix, causal, rate, seeds, 0, 0).astype(q.dtype)
 
   mesh, batch_axes, head_axes, kv_axes = plan
   P = jax.sharding.PartitionSpec
@@ -234,9 +244,8 @@ def pallas_attention(q: Array, k: Array, v: Array, *, bias: Optional[Array],
 
   def shard(q, k, v, bias, q_seg, kv_seg, prefix, seeds):
     index = lambda axes: jax.lax.axis_index(axes) if axes else jnp.int32(0)
-    out = run(q, k, v, bias, q_seg, kv_seg, prefix, seeds,
-              index(batch_axes) * local_b, index(head_axes) * local_n)
-    return to_bnth(out)
+    return run(q, k, v, bias, q_seg, kv_seg, prefix, causal, rate, seeds,
+               index(batch_axes) * local_b, index(head_axes) * local_n)
 
   out = jax.shard_map(
       shard, mesh=mesh,
@@ -245,3 +254,60 @@ def pallas_attention(q: Array, k: Array, v: Array, *, bias: Optional[Array],
       out_specs=P(bx, None, hx, None), check_vma=False,
   )(q, k, v, bias, q_seg, kv_seg, prefix, seeds)
   return out.astype(q.dtype)
+
+
+def pallas_attention(q: Array, k: Array, v: Array, *, bias: Optional[Array],
+                     mask: Union[Array, MaskSpec, None], scale: float,
+                     dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None) -> Array:
+  """[B, T, N, H] through our Pallas TPU flash-attention kernel (pallas_flash.py) inside
+  shard_map (_flash_in_shard_map)."""
+  from t5x_like.models import pallas_flash  # noqa: PLC0415
+  to_bnth = lambda x: jnp.swapaxes(x, 1, 2)
+  interpret = pallas_interpreting()
+
+  def run(q, k, v, bias, q_seg, kv_seg, prefix, causal, rate, seeds, batch_offset,
+          head_offset):
+    out = pallas_flash.flash_attention(
+        to_bnth(q), to_bnth(k), to_bnth(v), bias=bias, q_segments=q_seg,
+        kv_segments=kv_seg, causal=causal, q_prefix=prefix, kv_prefix=prefix,
+        dropout_rate=rate, dropout_seeds=seeds, batch_offset=batch_offset,
+        head_offset=head_offset, interpret=interpret)
+    return to_bnth(out)
+
+  return _flash_in_shard_map(run, q, k, v, bias=bias, mask=mask, scale=scale,
+                             dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+
+
+# ----------------------------------------------------------------------- Pallas GPU
+def pallas_gpu_unsupported(backend: str, dtype, head_dim: int, q_len: int, kv_len: int,
+                           interpret: bool = False) -> str:
+  """Why the Pallas GPU (Triton) kernel cannot run, or "": a GPU (or pallas_interpret()),
+  16-bit or float32 compute, a power-of-two head dim in [16, 256], lengths that are
+  multiples of 16."""
+  from t5x_like.models import pallas_gpu_flash  # noqa: PLC0415
+  if backend != "gpu" and not interpret:
+    return f"needs a GPU (backend {backend!r}) or pallas_interpret()"
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+                              jnp.dtype(jnp.float32)):
+    return f"needs bfloat16, float16 or float32 compute, not {jnp.dtype(dtype).name}"
+  return pallas_gpu_flash.unsupported(head_dim, q_len, kv_len)
+
+
+def pallas_gpu_attention(q: Array, k: Array, v: Array, *, bias: Optional[Array],
+                         mask: Union[Array, MaskSpec, None], scale: float,
+                         dropout_rate: float = 0.0,
+                         dropout_rng: Optional[Array] = None) -> Array:
+  """[B, T, N, H] through our Pallas GPU flash-attention kernel (pallas_gpu_flash.py,
+  Triton) inside shard_map (_flash_in_shard_map)."""
+  from t5x_like.models import pallas_gpu_flash  # noqa: PLC0415
+  interpret = pallas_interpreting()
+
+  def run(q, k, v, bias, q_seg, kv_seg, prefix, causal, rate, seeds, batch_offset,
+          head_offset):
+    return pallas_gpu_flash.flash_attention(
+        q, k, v, bias=bias, q_segments=q_seg, kv_segments=kv_seg, causal=causal,
+        q_prefix=prefix, kv_prefix=prefix, dropout_rate=rate, dropout_seeds=seeds,
+        batch_offset=batch_offset, head_offset=head_offset, interpret=interpret)
+
+  return _flash_in_shard_map(run, q, k, v, bias=bias, mask=mask, scale=scale,
+                             dropout_rate=dropout_rate, dropout_rng=dropout_rng)

@@ -17,7 +17,7 @@ POSITIONS = ("learned", "relative", "rope", "none")
 INIT_SCHEMES = ("normal", "t5")
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-ATTENTION_IMPLS = ("auto", "explicit", "xla", "cudnn", "pallas")
+ATTENTION_IMPLS = ("auto", "explicit", "xla", "cudnn", "pallas", "pallas_gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,7 @@ class ModelConfig:
   nsp_head: bool = False  # BERT pooler + next-sentence classifier
   dropout_rate: float = 0.1
   attention_dropout_rate: float = 0.1
-  attention_impl: str = "auto"  # auto | explicit | xla | cudnn | pallas (attention_core.py)
+  attention_impl: str = "auto"  # ATTENTION_IMPLS: auto, or a kernel of attention_core.py
   mlp_hidden_dropout: bool = False  # T5: dropout after the MLP activation
   init_scheme: str = "normal"
   init_std: float = 0.02
