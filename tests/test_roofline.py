@@ -17,7 +17,7 @@ import pytest
 
 from t5x_like import cli
 from t5x_like.command_flags import load_config_file
-from t5x_like.plan import roofline
+from t5x_like.plan import recipes, roofline
 from t5x_like.plan.report import make_plan
 from t5x_like.plan.text import format_plan, roofline_lines
 from t5x_like.plan.topology import FAMILIES, Topology, parse_topology
@@ -200,6 +200,18 @@ def test_chip_facts_per_generation():
   chip = roofline.chip_for(parse_topology("v5e-16"))
   assert (chip.peak_flops, chip.hbm_bandwidth, chip.ici_bandwidth) == (197e12, 819e9, 200e9)
   assert roofline.chip_for(Topology("cpu-8", "cpu", "cpu", 8, 1, 1e9, 1 << 30)) is None
+
+
+def test_recipe_row_cells_show_the_bound_in_ms_and_the_mfu_ceiling():
+  bound = roofline.with_model_flops(roofline.bound_of_ops(roofline.hlo_ops(FIXTURE), CHIP),
+                                    1e10, 4, 1e9, "analytic attention")
+  row = recipes.roofline_json(bound)
+  assert recipes._roofline_cells({"roofline": row}) == [
+      f"{bound['seconds'] * 1e3:.1f} = {bound['compute_seconds'] * 1e3:.1f} +"
+      f" {bound['memory_seconds'] * 1e3:.1f} + {bound['collective_seconds'] * 1e3:.1f}"
+      " (attention kernels' FLOPs: analytic)",
+      f"{1e10 / (bound['seconds'] * 4 * 1e11):.0%}"]
+  json.dumps(row)
 
 
 # ------------------------------------------------------------------ the plan

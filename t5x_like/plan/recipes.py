@@ -6,8 +6,9 @@ this host by libtpu.
                                   [--continue-fits]]
 
 Each row is one phase of one recipe on one slice: make_plan (report.py) compiles its
-train step (not the eval step) and, with the row's time left, searches the largest
-per-device batch that fits (fit.py). The markdown table goes to stdout (and --markdown
+train step (not the eval step), reads its roofline step time and MFU ceiling
+(roofline.py) and, with the row's time left, searches the largest per-device batch that
+fits (fit.py). The markdown table goes to stdout (and --markdown
 FILE after every row); --json appends one JSON line per row as it finishes, so a
 stopped run keeps its rows, and --resume-from skips the rows a file already holds; with
 --continue-fits it reruns those whose batch search stopped on its time budget, the search
@@ -65,7 +66,8 @@ RECIPES = (
 
 COLUMNS = ("recipe", "phase / length", "slice", "per-device batch",
            "compiler memory / HBM per device", "estimate / compiler", "collectives per step",
-           "attention kernel", "largest per-device batch that fits")
+           "attention kernel", "roofline bound (ms/step): compute + memory + collectives",
+           "MFU ceiling", "largest per-device batch that fits")
 
 
 def phase_config(config: ml_collections.ConfigDict,
@@ -104,6 +106,7 @@ def row_json(recipe: Recipe, plan: dict, seconds: float) -> dict:
       "collectives": {k: {"count": c["count"], "bytes": c["bytes"]}
                       for k, c in sorted(x["collectives"].items())},
       "kernels": x["kernels"], "attention_kernel": attention_kernel(x["kernels"]),
+      "roofline": roofline_json(phase.get("roofline")),
       "fit_batch": fit and {k: fit[k] for k in ("rows", "total_bytes", "compiles",
                                                 "predicted_rows", "next_over", "tried",
                                                 "limit_bytes", "seconds", "stopped")},
@@ -111,6 +114,29 @@ def row_json(recipe: Recipe, plan: dict, seconds: float) -> dict:
                   "fit": fit["seconds"] if fit else 0.0, "row": seconds},
       "error": None,
   }
+
+
+def roofline_json(r: Optional[dict]) -> Optional[dict]:
+  """The row's part of a phase's roofline (plan/roofline.py): seconds and the ceiling."""
+  if not r:
+    return None
+  keys = ("seconds", "compute_seconds", "memory_seconds", "collective_seconds",
+          "overlap_seconds", "mfu_ceiling", "flops", "bytes", "collective_bytes",
+          "extra_flops", "extra_flops_source", "uncounted_kernels", "chip")
+  return {k: r.get(k) for k in keys}
+
+
+def _roofline_cells(row: dict) -> list[str]:
+  r = row.get("roofline")
+  if not r:
+    return ["not computed", ""]
+  ms = lambda key: f"{r[key] * 1e3:.1f}"
+  bound = (f"{ms('seconds')} = {ms('compute_seconds')} + {ms('memory_seconds')} +"
+           f" {ms('collective_seconds')}")
+  if r.get("extra_flops_source"):
+    bound += " (attention kernels' FLOPs: analytic)"
+  ceiling = f"{r['mfu_ceiling']:.0%}" if r.get("mfu_ceiling") else "?"
+  return [bound, ceiling]
 
 
 def _collectives(collectives: dict) -> str:
@@ -159,7 +185,7 @@ def format_row(row: dict) -> list[str]:
   return [recipe, f"{phase} / {row['length']}", slice_, batch, memory,
           f"{row['estimate_ratio']:.2f}", _collectives(row["collectives"]),
           row["attention_kernel"] + (f"; {row['note']}" if row.get("note") else ""),
-          _fit_cell(row)]
+          *_roofline_cells(row), _fit_cell(row)]
 
 
 def format_table(rows: list[dict]) -> str:
