@@ -17,7 +17,7 @@ import pytest
 
 from t5x_like import cli
 from t5x_like.command_flags import load_config_file
-from t5x_like.plan import recipes, roofline
+from t5x_like.plan import hlo, hlo_cost, recipes, roofline
 from t5x_like.plan.report import make_plan
 from t5x_like.plan.text import format_plan, roofline_lines
 from t5x_like.plan.topology import FAMILIES, Topology, parse_topology
@@ -105,7 +105,7 @@ def test_hand_written_hlo_bound_is_the_sum_of_its_ops_by_hand():
   permute = 1024 * 4 / ici
   all_gather = 3 / 4 * (4 * 1024 * 4) / ici
 
-  bound = roofline.bound_of_ops(roofline.hlo_ops(FIXTURE), CHIP, model_flops=1e10,
+  bound = roofline.bound_of_ops(hlo_cost.hlo_ops(FIXTURE), CHIP, model_flops=1e10,
                                 num_devices=4)
   assert bound["compute_seconds"] == pytest.approx(5 * mm_flops / peak + k1, rel=1e-12)
   assert bound["memory_seconds"] == pytest.approx(loop_memory + k2_bytes / hbm, rel=1e-12)
@@ -123,14 +123,14 @@ def test_hand_written_hlo_bound_is_the_sum_of_its_ops_by_hand():
 
 
 def test_loop_bodies_count_once_without_trip_counts():
-  once = roofline.hlo_ops(FIXTURE, trips=False)
-  with_trips = roofline.hlo_ops(FIXTURE)
+  once = hlo_cost.hlo_ops(FIXTURE, trips=False)
+  with_trips = hlo_cost.hlo_ops(FIXTURE)
   mm = lambda ops: sum(o.times * o.flops for o in ops if o.opcode == "fusion")
   assert mm(with_trips) == 5 * mm(once) == 5 * 2 * 512 * 512 * 1024
 
 
 def test_extra_kernel_flops_go_to_compute_and_lower_the_mfu_ceiling():
-  bound = roofline.bound_of_ops(roofline.hlo_ops(FIXTURE), CHIP)
+  bound = roofline.bound_of_ops(hlo_cost.hlo_ops(FIXTURE), CHIP)
   more = roofline.with_model_flops(bound, 1e10, 4, extra_flops=2e9, extra_source="test")
   assert more["compute_seconds"] == pytest.approx(bound["compute_seconds"] + 2e9 / 1e11)
   assert more["seconds"] == pytest.approx(bound["seconds"] + 2e9 / 1e11)
@@ -138,13 +138,29 @@ def test_extra_kernel_flops_go_to_compute_and_lower_the_mfu_ceiling():
 
 
 def test_group_sizes_from_every_replica_group_form():
-  reader = roofline._Reader(roofline.hlo.parse_module(FIXTURE), FIXTURE, 8)
-  inst = lambda attrs: roofline.hlo.Instruction("x", "all-reduce", [], [], attrs, {})
+  reader = hlo_cost._Reader(hlo.parse_module(FIXTURE), FIXTURE, 8)
+  inst = lambda attrs: hlo.Instruction("x", "all-reduce", [], [], attrs, {})
   assert reader.group_size(inst("replica_groups={{0,2},{1,3}}, to_apply=%sum")) == 2
   assert reader.group_size(inst("replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%s")) == 4
   assert reader.group_size(inst("replica_groups=mesh['axis_0'=4,'axis_1'=2,'axis_2'=1]"
                                 " {'axis_0','axis_2'}, use_global_device_ids=true")) == 4
   assert reader.group_size(inst("replica_groups={}, to_apply=%sum")) == 8
+
+
+def test_cublas_gemm_costs_its_dot_and_not_its_workspace():
+  """XLA:GPU's GEMM custom call: (f32[64,32], s8[workspace]) = gemm(f32[64,128],
+  f32[128,32]), contracting lhs dim 1."""
+  text = """HloModule gpu, num_partitions=1
+
+ENTRY %main (a: f32[64,128], b: f32[128,32]) -> f32[64,32] {
+  %a = f32[64,128]{1,0} parameter(0)
+  %b = f32[128,32]{1,0} parameter(1)
+  %custom-call.3 = (f32[64,32]{1,0}, s8[4194304]{0}) custom-call(f32[64,128]{1,0} %a, f32[128,32]{1,0} %b), custom_call_target="__cublas$gemm", backend_config={"operation_queue_id":"0","gemm_backend_config":{"alpha_real":1,"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  ROOT %out = f32[64,32]{1,0} get-tuple-element(%custom-call.3), index=0
+}
+"""
+  op, = hlo_cost.hlo_ops(text)
+  assert (op.flops, op.bytes) == (2 * 64 * 32 * 128, 4 * (64 * 128 + 128 * 32 + 64 * 32))
 
 
 def test_vmem_operands_and_results_are_not_hbm_traffic():
@@ -166,7 +182,7 @@ ENTRY %main (a: f32[256,256], b: f32[256,256]) -> f32[256,256] {
   ROOT %f = f32[256,256]{1,0:T(8,128)S(1)} fusion(%a, %cd), kind=kLoop, calls=%fused
 }
 """
-  ops = {o.name: o for o in roofline.hlo_ops(text)}
+  ops = {o.name: o for o in hlo_cost.hlo_ops(text)}
   size = 256 * 256 * 4
   assert ops["cs"].bytes == size  # HBM read of b; its VMEM copy is free
   assert ops["f"].bytes == size  # reads a from HBM; b and the result are in VMEM
@@ -203,7 +219,7 @@ def test_chip_facts_per_generation():
 
 
 def test_recipe_row_cells_show_the_bound_in_ms_and_the_mfu_ceiling():
-  bound = roofline.with_model_flops(roofline.bound_of_ops(roofline.hlo_ops(FIXTURE), CHIP),
+  bound = roofline.with_model_flops(roofline.bound_of_ops(hlo_cost.hlo_ops(FIXTURE), CHIP),
                                     1e10, 4, 1e9, "analytic attention")
   row = recipes.roofline_json(bound)
   assert recipes._roofline_cells({"roofline": row}) == [
@@ -245,7 +261,7 @@ def test_compiled_plan_times_its_phases_by_the_roofline():
 
 
 def test_roofline_lines_show_the_bound_its_split_and_mfu_ceiling():
-  bound = roofline.bound_of_ops(roofline.hlo_ops(FIXTURE), CHIP)
+  bound = roofline.bound_of_ops(hlo_cost.hlo_ops(FIXTURE), CHIP)
   r = roofline.with_model_flops(bound, 1e10, 4, 1e9, "analytic attention")
   text = "\n".join(roofline_lines(r, steps=1000))
   parts = " + ".join(f"{name} {r[key] * 1e3:.1f} ms" for name, key in (
@@ -267,7 +283,7 @@ def test_plan_text_puts_the_roofline_beside_the_assumed_mfu_time():
   assert phase["roofline"] is None and phase["xla"] is None
   assert phase["step_seconds"] == phase["step_seconds_at_mfu"]
   assert "roofline" not in format_plan(plan)
-  bound = roofline.bound_of_ops(roofline.hlo_ops(FIXTURE), CHIP)
+  bound = roofline.bound_of_ops(hlo_cost.hlo_ops(FIXTURE), CHIP)
   phase["roofline"] = roofline.with_model_flops(bound, 1e10, 4, 1e9, "analytic attention")
   plan["total"]["roofline"] = True
   text = format_plan(plan)
