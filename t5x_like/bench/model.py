@@ -31,6 +31,7 @@ import numpy as np
 from t5x_like.data.loader import make_loader
 from t5x_like.data.sources import EmbeddedCorpus
 from t5x_like.data.tokenize import build_store
+from t5x_like.bench import profile as profile_lib
 from t5x_like.models.attention_core import record_kernels
 from t5x_like.parallel import shard_batch
 from t5x_like.plan.compiled import compile_train_step, xla_memory
@@ -204,14 +205,20 @@ def _decode_step(model, params, batch_shapes: dict[str, tuple]):
 
 
 def bench_model(config: ml_collections.ConfigDict, *, steps: int = 10, warmup: int = 2,
-                decode: bool = True, peaks: Optional[dict[str, float]] = None) -> dict:
+                decode: bool = True, peaks: Optional[dict[str, float]] = None,
+                profile_dir: Optional[str] = None, profile_steps: int = 3) -> dict:
   """The benchmark JSON of config's train step (and decode step where the family decodes).
 
   peaks: {'bfloat16', 'float32'} FLOP/s per device (default: peak_flops; on CPU measured
   before and after the timed steps).
+  profile_dir: after the timed steps, `profile_steps` more run under jax.profiler into
+  this folder (TensorBoard / Perfetto; the step's HLO beside it as train_step.hlo.txt),
+  and result['profile'] is their device time per category (bench/profile.py).
   """
   if steps < 1 or warmup < 0:
     raise ValueError(f"steps={steps} must be >= 1 and warmup={warmup} >= 0")
+  if profile_dir is not None and profile_steps < 1:
+    raise ValueError(f"profile_steps={profile_steps} must be >= 1")
   disable_compilation_cache()
   device = jax.devices()[0]
   measure = peaks is None
@@ -220,6 +227,8 @@ def bench_model(config: ml_collections.ConfigDict, *, steps: int = 10, warmup: i
   seconds, times = median_seconds(bench.step, steps=steps, warmup=warmup)
   if measure:  # once before and once after the timed steps: the higher ceiling
     peaks = peak_flops(device, peaks)
+  timed_losses = list(bench.losses)
+  profile = _profile(bench, profile_dir, profile_steps) if profile_dir is not None else None
   cfg = bench.model.config
   result = {
       "model": config.model.preset, "family": cfg.family, "dtype": cfg.dtype,
@@ -242,10 +251,12 @@ def bench_model(config: ml_collections.ConfigDict, *, steps: int = 10, warmup: i
           "tokens_per_step": bench.tokens_per_step,
           "model_flops_per_step": bench.flops_per_step,
           "loss": float(bench.last_metrics["loss"]),
-          "losses": [round(x, 5) for x in bench.losses],
+          "losses": [round(x, 5) for x in timed_losses],
           "xla_memory_per_device": xla_memory(bench.compiled),
       },
   }
+  if profile is not None:
+    result["profile"] = profile
   if decode and bench.model.generates:
     batch_size = bench.batch_shapes["decoder_input_tokens"][0]
     run_once, compile_seconds, cache_len = _decode_step(bench.model, bench.state.params,
@@ -259,6 +270,16 @@ def bench_model(config: ml_collections.ConfigDict, *, steps: int = 10, warmup: i
     }
   result["peak_memory_bytes"] = peak_memory_bytes(device)
   return result
+
+
+def _profile(bench: TrainBench, log_dir: str, steps: int) -> dict:
+  """Profile `steps` more train steps into log_dir; their table (bench/profile.py)."""
+  os.makedirs(log_dir, exist_ok=True)
+  hlo_text = bench.compiled.as_text()
+  with open(os.path.join(log_dir, "train_step.hlo.txt"), "w") as f:
+    f.write(hlo_text)  # so the trace can be read again: profile_table(xplane, hlo_text)
+  xplane = profile_lib.capture_steps(log_dir, bench.step, steps)
+  return profile_lib.profile_table(xplane, hlo_text=hlo_text)
 
 
 def bench_compile(config: ml_collections.ConfigDict, depths: list[int]) -> dict:

@@ -4,7 +4,9 @@
                  with --prepared, prepared corpora at --sizes: bench/data.py, bench/prepared.py
   attention      every attention kernel of this device against a float32 reference (values
                  and gradients, five masks, a bias; dropout statistics) and its time
-  model          compile and time the train step (and decode step): bench/model.py
+  model          compile and time the train step (and decode step): bench/model.py;
+                 with --profile DIR, a jax.profiler trace of a few more steps and their
+                 device time per category (printed to stderr): bench/profile.py
   compile        compile time of the train step at several depths (--layers 6,12,24)
   peer           our train step against transformers' PyTorch model of the config's family
                  (BERT, GPT-2), eager and torch.compile'd (--compile): bench/peers.py
@@ -57,7 +59,24 @@ def _flags(argv: list[str]) -> flags.FlagValues:
                     flag_values=fv)
   flags.DEFINE_list("layers", ["6", "12", "24"], "compile: depths to compile",
                     flag_values=fv)
+  flags.DEFINE_string("profile", None, "model: after the timed steps, profile"
+                      " --profile_steps more into this folder (jax.profiler: TensorBoard,"
+                      " Perfetto) and print device time per category (bench/profile.py)",
+                      flag_values=fv)
+  flags.DEFINE_integer("profile_steps", 3, "model: steps to profile with --profile",
+                       flag_values=fv)
   return fv
+
+
+def _profile_dir(path: str) -> str:
+  """--profile DIR, created if missing; a UserError when it cannot be written."""
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise UserError(f"--profile={path}: cannot create the folder ({e.strerror})") from None
+  if not os.access(path, os.W_OK | os.X_OK):
+    raise UserError(f"--profile={path}: the folder is not writable")
+  return path
 
 
 def main(argv: list[str]) -> int:
@@ -74,8 +93,10 @@ def main(argv: list[str]) -> int:
   from t5x_like.bench import model as model_bench
   try:
     if what == "model":
+      profile_dir = _profile_dir(fv.profile) if fv.profile else None
       result = model_bench.bench_model(fv.config, steps=fv.steps, warmup=fv.warmup,
-                                        decode=fv.decode)
+                                        decode=fv.decode, profile_dir=profile_dir,
+                                        profile_steps=fv.profile_steps)
     elif what == "compile":
       result = model_bench.bench_compile(fv.config, [int(n) for n in fv.layers])
     elif what == "peer":
@@ -89,6 +110,9 @@ def main(argv: list[str]) -> int:
   except ValueError as e:
     print(f"t5x-like bench {what}: {e}", file=sys.stderr)
     return 2
+  if "profile" in result:  # the table to stderr: stdout stays one JSON object
+    from t5x_like.bench.profile import format_table
+    print(format_table(result["profile"]), file=sys.stderr)
   print(json.dumps(result, indent=1))
   return 0
 
