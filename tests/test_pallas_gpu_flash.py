@@ -209,11 +209,12 @@ def test_kernel_more_cases(case):
 @pytest.mark.parametrize("mesh_name", ["data", "tensor"])
 def test_sharded_equals_explicit(mesh_name):
   """Under jit on the 8 fake devices (mesh and logical rules as a train step), the kernel
-  runs in shard_map and each shard draws its global rows of the dropout mask."""
+  runs in shard_map and each shard draws its global rows of the dropout mask; GQA (2 kv
+  heads for 4 query heads, split over 'tensor' too)."""
   from t5x_like import parallel  # noqa: PLC0415
   meshes = {"data": dict(data=8, fsdp=1, tensor=1), "tensor": dict(data=2, fsdp=1, tensor=4)}
   batch, n = 8, 4
-  q, k, v, bias, cot = _inputs(jnp.float32, b=batch, n=n, kv=n, seed=5)
+  q, k, v, bias, cot = _inputs(np.float32, b=batch, n=n, kv=2, seed=5)
   segments = _segments(batch, T, 6)
   spec = mask_spec(segments > 0, query_segment_BxQ=segments, key_segment_BxK=segments,
                    causal=True)
@@ -224,8 +225,10 @@ def test_sharded_equals_explicit(mesh_name):
       out = attend(q, k, v, bias=bias, mask=spec, scale=H ** -0.5, dropout_rate=RATE,
                    dropout_rng=jax.random.key(11), impl=impl)
       return jnp.sum(out * cot * jnp.any(spec.dense(), -1)[:, 0, :, None, None])
-    with parallel.mesh_rules(mesh):
-      return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
+    with parallel.mesh_rules(mesh), record_kernels() as kernels:
+      result = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
+    assert {e["kernel"] for e in kernels.values()} == {impl}, kernels
+    return result
 
   want = run("explicit")
   with pallas_interpret():

@@ -2,15 +2,19 @@
 
   result = bench_attention(batch=4, length=512, heads=16, head_dim=64, dtype="bfloat16")
 
-For each kernel (explicit and xla everywhere, cudnn on a GPU, pallas on a TPU or in
-interpret mode) and each mask (padding, packing, causal, causal with packing, prefix
+For each kernel (explicit and xla everywhere, cudnn and pallas_gpu on a GPU, pallas on
+a TPU or in interpret mode) and each mask (padding, packing, causal, causal with packing, prefix
 LM), with a [1, N, T, S] bias: the output and the gradients of q, k, v and the bias
 against a float32 reference computed from the definition (largest error relative to
 the largest reference entry, over query rows that see a key), and the median time of a
-jitted forward + backward. Kernels that apply attention dropout (explicit, cudnn, pallas) are
-checked by statistics: with v the one-hot key index, out = probs * keep, so the
-dropped fraction of visible entries must be the rate and the mean unchanged; and
-whether two calls drop the same entries (Pallas: and the explicit kernel's entries).
+jitted forward + backward. Kernels that apply attention dropout (explicit, cudnn, pallas,
+pallas_gpu) are checked by statistics: with v the one-hot key index, out = probs * keep,
+so the dropped fraction of visible entries must be the rate and the mean unchanged; and
+whether two calls drop the same entries (Pallas kernels: and the explicit kernel's
+entries); the hashed-dropout kernels (explicit, pallas, pallas_gpu) are also timed
+forward + backward with dropout 0.1 at the full shape (padding mask, the bias), except
+with interpret_pallas. pallas_gpu runs on a GPU only (its interpret mode is tested in
+tests/test_pallas_gpu_flash.py).
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5x_like.models.attention_core import choose_kernel, attend
-from t5x_like.models.attention_kernels import pallas_interpret
+from t5x_like.models.attention_kernels import pallas_gpu_unsupported, pallas_interpret
 from t5x_like.models.masks import MaskSpec, mask_spec
 
-KERNELS = ("explicit", "xla", "cudnn", "pallas")
+KERNELS = ("explicit", "xla", "cudnn", "pallas", "pallas_gpu")
+HASHED_DROPOUT = ("explicit", "pallas", "pallas_gpu")  # never cudnn: it crashes XLA (docs)
 
 
 def _reference(q, k, v, bias, dense, scale):
@@ -116,13 +121,26 @@ def _dropout_stats(impl, spec, dtype, rate=0.1):
           "mean_ratio": round(float(dropped.sum() / clean.sum()), 5),
           "same_key_same_mask": bool(np.array_equal(dropped == 0, again == 0)),
           "other_key_other_mask": not np.array_equal(dropped == 0, other == 0)}
-  if impl == "pallas":  # the same hashed mask as the explicit kernel's, entry for entry
+  if impl in ("pallas", "pallas_gpu"):  # the explicit kernel's hashed mask, entry for entry
     run_explicit = jax.jit(lambda key: attend(
         q, k, eye, mask=spec, scale=0.05, dropout_rate=rate, dropout_rng=key,
         impl="explicit"))
     stats["mask_equals_explicit"] = bool(np.array_equal(
         dropped == 0, np.asarray(run_explicit(jax.random.key(0)), np.float32) == 0))
   return stats
+
+
+def _dropout_ms(impl, spec, inputs, dtype, steps, rate=0.1):
+  """Median ms of a jitted forward + backward with attention dropout."""
+  q, k, v, bias, cot = (x.astype(dtype) if i < 3 else x for i, x in enumerate(inputs))
+
+  def loss(q, k, v, bias, key):
+    out = attend(q, k, v, bias=bias, mask=spec, scale=q.shape[-1] ** -0.5, dropout_rate=rate,
+                 dropout_rng=key, impl=impl)
+    return jnp.sum(out.astype(jnp.float32) * cot)
+
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+  return _median_ms(fn, q, k, v, bias, jax.random.key(0), steps=steps)
 
 
 def bench_attention(*, batch: int = 4, length: int = 512, heads: int = 16, kv_heads: int = 0,
@@ -151,6 +169,10 @@ def bench_attention(*, batch: int = 4, length: int = 512, heads: int = 16, kv_he
             "kernels": {}, "skipped": {}, "dropout": {}}
   with pallas_interpret() if interpret_pallas else contextlib.nullcontext():
     for impl in KERNELS:
+      if impl == "pallas_gpu" and backend != "gpu":  # interpret mode: its own tests
+        result["skipped"][impl] = (pallas_gpu_unsupported(backend, dt, head_dim, length, length)
+                                   + "; interpret mode: tests/test_pallas_gpu_flash.py")
+        continue
       try:
         choose_kernel(impl, backend=backend, dtype=dt, head_dim=head_dim, q_len=length,
                       kv_len=length, dropout=False)
@@ -160,8 +182,11 @@ def bench_attention(*, batch: int = 4, length: int = 512, heads: int = 16, kv_he
       result["kernels"][impl] = {name: _check(impl, spec, inputs, dt, steps)
                                  for name, spec in cases.items()}
     small = mask_cases(batch, 128)["padding"]
-    for impl in ("explicit", "cudnn", "pallas"):
+    for impl in ("explicit", "cudnn", "pallas", "pallas_gpu"):
       if impl in result["kernels"]:
         result["dropout"][impl] = _dropout_stats(impl, small, dt)
+        if impl in HASHED_DROPOUT and not interpret_pallas:  # interpret mode: no timing
+          result["dropout"][impl]["fwd_bwd_ms"] = _dropout_ms(impl, cases["padding"], inputs,
+                                                              dt, steps)
   return result
 
