@@ -163,7 +163,7 @@ def export_params(config: ModelConfig, params: Mapping, spec_fn: SpecFn) -> dict
 # Fields that do not change the function a checkpoint computes.
 _NON_ARCHITECTURE = {"dropout_rate", "attention_dropout_rate", "init_std", "dtype", "scan_layers",
                      "remat_policy", "z_loss", "label_smoothing", "mlp_hidden_dropout",
-                     "scale_residual_init", "init_scheme"}
+                     "scale_residual_init", "init_scheme", "loss_chunk_rows"}
 
 
 def check_expressible(cfg: ModelConfig, wanted: ModelConfig, architecture: str) -> None:

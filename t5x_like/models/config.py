@@ -63,6 +63,10 @@ class ModelConfig:
   remat_policy: str = "none"
   z_loss: float = 0.0
   label_smoothing: float = 0.0
+  # The LM / MLM loss from the final hidden states in chunks of this many rows (of the
+  # whole traced batch, before sharding), never holding [rows, vocab] float32 logits
+  # (models/chunked_loss.py); 0: the loss on the model's full logits.
+  loss_chunk_rows: int = 0
 
   def __post_init__(self):
     self.validate()
@@ -126,6 +130,9 @@ class ModelConfig:
                        " encoder_decoder; use 'relative' or 'rope'")
     if self.num_decoder_layers is not None and self.family != "encoder_decoder":
       raise ValueError("ModelConfig.num_decoder_layers: only for family='encoder_decoder'")
+    if int(self.loss_chunk_rows) < 0:
+      raise ValueError(f"ModelConfig.loss_chunk_rows={self.loss_chunk_rows!r}: must be >= 0"
+                       " (0: no chunking)")
     for name in ("dropout_rate", "attention_dropout_rate", "label_smoothing"):
       if not 0.0 <= getattr(self, name) < 1.0:
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: must be in [0, 1)")

@@ -81,13 +81,27 @@ def _logits_dense(cfg: ModelConfig, name: Optional[str] = None) -> Optional[Dens
                       dtype=compute_dtype(cfg), name=name)
 
 
+def _output_input(cfg: ModelConfig, x: Array) -> Array:
+  """The output layer's input: the final hidden states (T5 v1.0: scaled by d_model^-1/2)."""
+  return x * cfg.d_model ** -0.5 if cfg.scale_decoder_output else x
+
+
 def _output_logits(cfg: ModelConfig, embed: Embed, dense: Optional[DenseGeneral],
                    x: Array) -> Array:
   """[B, T, D] -> [B, T, V] through the tied embedding or the untied `dense`."""
-  if cfg.scale_decoder_output:
-    x = x * cfg.d_model ** -0.5
+  x = _output_input(cfg, x)
   logits = embed.attend(x) if dense is None else dense(x)
   return constrain(logits, ("batch", "length", "vocab"))
+
+
+def output_layer(cfg: ModelConfig, params) -> tuple[Array, int]:
+  """(the output weights, their vocabulary axis) in `params` of a decoder or
+  encoder-decoder module, or of the encoder's MLM head: the tied token embedding [V, D]
+  (axis 0) or the untied `logits_dense` kernel [D, V] (axis 1). For the chunked loss
+  (models/chunked_loss.py), fed by the modules' `loss_hidden` output."""
+  if cfg.tie_embeddings or cfg.family == "encoder":
+    return params["token_embed"]["embedding"], 0
+  return params["logits_dense"]["kernel"], 1
 
 
 class EncoderModule(nn.Module):
@@ -95,10 +109,13 @@ class EncoderModule(nn.Module):
 
   Returns {'hidden': [B, L, D], 'mlm_logits': [B, P or L, V], 'nsp_logits': [B, 2]};
   MLM logits are computed only at `mlm_positions` when the batch has them.
+  loss_hidden: 'mlm_hidden' [B, P or L, D] (the tied output layer's input; its bias is
+  params['mlm_bias']) replaces 'mlm_logits', for the chunked loss.
   """
 
   config: ModelConfig
   deterministic: bool = True
+  loss_hidden: bool = False
 
   @nn.compact
   def __call__(self, batch: Batch) -> dict[str, Array]:
@@ -132,7 +149,10 @@ class EncoderModule(nn.Module):
       h = make_norm(cfg, "mlm_norm")(activation(act)(h))
       bias = self.param("mlm_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
                         (cfg.vocab_size,), jnp.float32)
-      out["mlm_logits"] = embed.attend(h) + bias.astype(dtype)
+      if self.loss_hidden:
+        out["mlm_hidden"] = h
+      else:
+        out["mlm_logits"] = embed.attend(h) + bias.astype(dtype)
     if cfg.nsp_head:
       pooled = DenseGeneral(features=(cfg.d_model,), axes=("embed", "mlp"),
                             kernel_init=normal_init(cfg.init_std), dtype=dtype,
@@ -148,12 +168,15 @@ class DecoderModule(nn.Module):
 
   return_hidden: return the final hidden states [B, T, D] (after the final norm)
   instead of logits, for fine-tuning heads (t5x_like.finetune).
+  loss_hidden: return the output layer's input [B, T, D] (output_layer gives its
+  weights) instead of logits, for the chunked loss.
   """
 
   config: ModelConfig
   deterministic: bool = True
   decode: bool = False
   return_hidden: bool = False
+  loss_hidden: bool = False
 
   @nn.compact
   def __call__(self, batch: Batch) -> Array:
@@ -169,6 +192,8 @@ class DecoderModule(nn.Module):
                                                   decode_index=decode_index)
     if self.return_hidden:
       return x
+    if self.loss_hidden:
+      return _output_input(cfg, x)
     return _output_logits(cfg, embed, _logits_dense(cfg, "logits_dense"), x)
 
 
@@ -176,11 +201,13 @@ class EncoderDecoderModule(nn.Module):
   """T5: shared token embedding, bidirectional encoder, causal decoder with cross-attention.
 
   __call__(batch) -> [B, T, V]; `encode` and `decode` are exposed for generation.
+  loss_hidden: the output layer's input [B, T, D] instead of logits (chunked loss).
   """
 
   config: ModelConfig
   deterministic: bool = True
   decode: bool = False
+  loss_hidden: bool = False
 
   def setup(self):
     cfg = self.config
@@ -219,6 +246,8 @@ class EncoderDecoderModule(nn.Module):
       cross_mask = mask_spec(cross_valid, q_len=tokens.shape[1])
     x = self.decoder(self._embed(tokens, positions), mask, positions, encoded, cross_mask,
                      decode_index)
+    if self.loss_hidden:
+      return _output_input(self.config, x)
     return _output_logits(self.config, self.token_embed, self.logits_dense, x)
 
   def __call__(self, batch: Batch) -> Array:

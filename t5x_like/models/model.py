@@ -26,9 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5x_like.models import cost, losses, steppers
+from t5x_like.models import chunked_loss, cost, losses, steppers
 from t5x_like.models.config import FAMILIES, ModelConfig
-from t5x_like.models.families import DecoderModule, EncoderDecoderModule, EncoderModule
+from t5x_like.models.families import (DecoderModule, EncoderDecoderModule, EncoderModule,
+                                      output_layer)
+from t5x_like.models.layers import compute_dtype
 
 Array = jax.Array
 Params = Any
@@ -143,6 +145,19 @@ class Model:
     """Deterministic forward; see each family for the output."""
     return self.apply(params, batch)
 
+  def _chunked_token_metrics(self, prefix: str, params: Params, hidden: Array,
+                             targets: Array, weights: Optional[Array], denominator: Array,
+                             bias: Optional[Array] = None) -> dict[str, Array]:
+    """losses.token_metrics of the output layer on `hidden` [..., D] (the modules'
+    loss_hidden output), by config.loss_chunk_rows rows (models/chunked_loss.py)."""
+    cfg = self.config
+    kernel, vocab_axis = output_layer(cfg, params)
+    flat = lambda x: None if x is None else jnp.reshape(x, (-1,))
+    return chunked_loss.chunked_token_metrics(
+        prefix, hidden.reshape(-1, hidden.shape[-1]), kernel, flat(targets), flat(weights),
+        denominator, bias, vocab_axis=vocab_axis, chunk_rows=cfg.loss_chunk_rows,
+        z_loss=cfg.z_loss, label_smoothing=cfg.label_smoothing, dtype=compute_dtype(cfg))
+
 
 class EncoderModel(Model):
   """BERT. logits() -> {'mlm_logits': [B, L, V], 'nsp_logits': [B, 2]} at every position."""
@@ -212,13 +227,21 @@ class EncoderModel(Model):
 
     normalizers: the denominators of a larger batch this one is a microbatch of
     (`loss_normalizers`), so that microbatch losses and gradients add up exactly.
+    config.loss_chunk_rows > 0: the MLM loss from the head's hidden states by row chunks,
+    without [P, V] logits (models/chunked_loss.py).
     """
     cfg = self.config
     normalizers = normalizers or self.loss_normalizers(batch)
-    out = self.apply(params, batch, dropout_rng=dropout_rng)
+    chunked = bool(cfg.loss_chunk_rows) and cfg.mlm_head and "mlm_targets" in batch
+    out = self.apply(params, batch, dropout_rng=dropout_rng, loss_hidden=chunked)
     loss = jnp.zeros((), jnp.float32)
     metrics = {}
-    if cfg.mlm_head and "mlm_targets" in batch:
+    if chunked:
+      metrics.update(self._chunked_token_metrics(
+          "mlm", params, out["mlm_hidden"], batch["mlm_targets"], batch.get("mlm_weights"),
+          normalizers["mlm"], params["mlm_bias"]))
+      loss = loss + metrics["mlm_loss"]
+    elif cfg.mlm_head and "mlm_targets" in batch:
       per_token, z_term = losses.cross_entropy(out["mlm_logits"], batch["mlm_targets"],
                                                z_loss=cfg.z_loss,
                                                label_smoothing=cfg.label_smoothing)
@@ -252,11 +275,20 @@ class _SequenceModel(Model):
     """sum(w * nll) / sum(w) over decoder_target_tokens, w = decoder_loss_weights.
 
     normalizers: denominators of the full batch when this is a microbatch of it.
+    config.loss_chunk_rows > 0: from the decoder's hidden states by row chunks, without
+    [B, T, V] logits (models/chunked_loss.py).
     """
     cfg = self.config
     normalizers = normalizers or self.loss_normalizers(batch)
-    logits = self.apply(params, batch, dropout_rng=dropout_rng)
     targets = batch["decoder_target_tokens"]
+    if cfg.loss_chunk_rows:
+      hidden = self.apply(params, batch, dropout_rng=dropout_rng, loss_hidden=True)
+      metrics = self._chunked_token_metrics("token", params, hidden, targets,
+                                            batch.get("decoder_loss_weights"),
+                                            normalizers["token"])
+      metrics["loss"] = metrics["token_loss"]
+      return metrics["loss"], metrics
+    logits = self.apply(params, batch, dropout_rng=dropout_rng)
     per_token, z_term = losses.cross_entropy(logits, targets, z_loss=cfg.z_loss,
                                              label_smoothing=cfg.label_smoothing)
     metrics = losses.token_metrics("token", logits, targets, batch.get("decoder_loss_weights"),

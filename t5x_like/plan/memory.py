@@ -21,7 +21,11 @@ Temporaries, at the higher of two peaks:
                 fused kernel keeps none) and, with remat, the layer's recomputed forward
   logits        the logits/loss buffers: the saved [rows, vocab] softmax terms, and two
                 float32 [rows, vocab] buffers (the logits gradient and the float32
-                logits or softmax it is computed from)
+                logits or softmax it is computed from); with model.loss_chunk_rows
+                (models/chunked_loss.py) nothing [rows, vocab] is saved (the forward
+                keeps the gradients of the hidden states and of the output weights, which
+                the residuals count) and the two buffers are one chunk's rows on the
+                device: rows / ceil(global rows / loss_chunk_rows)
   gathered      with FSDP: float32 weights all-gathered over 'fsdp' for the matmuls,
                 every layer's when layers are unrolled (XLA may gather them all up
                 front), two layers' worth with scan_layers (the loop gathers its layer)
@@ -55,7 +59,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from t5x_like.models import build_model
+from t5x_like.models import build_model, chunked_loss
 from t5x_like.models.attention_core import tracing_for
 from t5x_like.plan.params import tree_bytes_per_device
 from t5x_like.train.state import opt_state_shardings
@@ -168,6 +172,17 @@ def _residual_bytes(cfg, batch_shapes, tensor: int) -> tuple[int, int, int]:
   return acts, logits, largest
 
 
+def logits_buffer_bytes(model, batch_shapes, batch_shards: int, tensor: int) -> int:
+  """Two float32 [rows, vocab / tensor] buffers of a per-device (micro)batch of
+  `batch_shapes`: all its logits rows, or with config.loss_chunk_rows one chunk's rows
+  (the chunks split the global rows, sharded over `batch_shards` devices)."""
+  cfg = model.config
+  rows = model.logits_rows(cfg, batch_shapes)
+  if cfg.loss_chunk_rows and rows:
+    rows = math.ceil(rows / chunked_loss.num_chunks(rows * batch_shards, cfg.loss_chunk_rows))
+  return 2 * 4 * math.ceil(rows * cfg.vocab_size / tensor)
+
+
 def _depths(model) -> list[dict]:
   """Layer counts to trace: 1 in every stack, then 2 in each stack in turn."""
   fields = model.stack_fields
@@ -275,8 +290,7 @@ def estimate_memory(model, optimizer, mesh, param_shardings: Any, abstract_param
       batch=sum(4 * math.prod(s) for s in device_batch.values()),
       grads=params * (2 if microbatches > 1 else 1),
       activations=acts["activations"], backward=acts["backward"],
-      logits=acts["logits"] + 2 * 4 * math.ceil(
-          model.logits_rows(cfg, micro) * cfg.vocab_size / tensor),
+      logits=acts["logits"] + logits_buffer_bytes(model, micro, batch_shards, tensor),
       gathered=gathered_weight_bytes(abstract_params, param_shardings, mesh_shape, fraction),
       cast_weights=cast_weight_bytes(model, abstract_params, param_shardings, mesh_shape,
                                      platform),
