@@ -163,6 +163,17 @@ ENTRY %main (a: f32[64,128], b: f32[128,32]) -> f32[64,32] {
   assert (op.flops, op.bytes) == (2 * 64 * 32 * 128, 4 * (64 * 128 + 128 * 32 + 64 * 32))
 
 
+def test_tiled_layouts_count_their_padding():
+  """XLA:TPU stores whole (8, 128) tiles: f32[256, 64] takes 256 x 128 floats, a scalar
+  with T(128) 128 of them."""
+  size = hlo_cost._leaf_size
+  assert size("f32", "256,64", "{1,0:T(8,128)}") == (256 * 128 * 4, True)
+  assert size("bf16", "4,3,64", "{2,1,0:T(8,128)(2,1)S(1)}") == (4 * 8 * 128 * 2, False)
+  assert size("f32", "256,64", "{0,1:T(8,128)}") == (256 * 64 * 4, True)  # 256 is minor
+  assert size("s32", "", "{:T(128)}") == (128 * 4, True)
+  assert size("f32", "3,5", "{1,0}") == (3 * 5 * 4, True)  # untiled (CPU, GPU)
+
+
 def test_vmem_operands_and_results_are_not_hbm_traffic():
   """XLA:TPU layouts mark VMEM as memory space S(1): a fusion reading a VMEM copy of a
   weight and writing to VMEM moves only its HBM operand; copy-start moves the weight."""

@@ -78,17 +78,33 @@ def _top_level(module: hlo.Module) -> list[str]:
 _LEAF_LAYOUT = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\](\{[^{}]*\})?")
 
 
-def _off_hbm(text: str) -> dict[str, list[bool]]:
-  """{instruction name: per leaf of its type, whether it lives outside HBM}: a layout's
-  S(n) with n > 0 names another memory space (XLA:TPU's VMEM, SMEM, ...), whose traffic
-  is not HBM's. Instructions with every leaf in HBM are left out."""
+def _leaf_size(dtype: str, dims_text: str, layout: str) -> tuple[int, bool]:
+  """(bytes, in HBM) of one array leaf of a type. A tiled layout {1,0:T(8,128)} pads the
+  most-minor dims up to the tile (XLA:TPU stores whole tiles: an f32[.., 64] array takes
+  [.., 128]); S(n) with n > 0 names a memory space other than HBM (VMEM, SMEM, ...)."""
+  dims = [int(d.strip().lstrip("<=")) for d in dims_text.split(",") if d.strip()]
+  inside = (layout or "{}")[1:-1]
+  order_text, _, rest = inside.partition(":")
+  order = [int(d) for d in order_text.split(",") if d.strip()]
+  tile = re.match(r"T\(([\d,]+)\)", rest)
+  if tile and len(order) == len(dims):
+    physical = [dims[i] for i in reversed(order)] or [1]  # major to minor
+    sizes = [int(t) for t in tile.group(1).split(",")]
+    physical = [1] * max(0, len(sizes) - len(physical)) + physical
+    for k, t in enumerate(reversed(sizes)):
+      physical[-1 - k] = -(-physical[-1 - k] // t) * t
+    dims = physical
+  return (hlo.shape_bytes([(dtype, tuple(dims))]),
+          not re.search(r"S\([1-9]\d*\)", rest))
+
+
+def _leaf_sizes(text: str) -> dict[str, list[tuple[int, bool]]]:
+  """{instruction name: per leaf of its type, (bytes with tile padding, in HBM)}."""
   out = {}
   for m in re.finditer(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\([^=]*?\)|\S+)\s+[\w\-]+\(",
                        text, re.M):
-    spaces = [bool(re.search(r"S\([1-9]\d*\)", layout or ""))
-              for _, _, layout in _LEAF_LAYOUT.findall(re.sub(r"/\*.*?\*/", "", m.group(2)))]
-    if any(spaces):
-      out[m.group(1)] = spaces
+    out[m.group(1)] = [_leaf_size(*leaf) for leaf in
+                       _LEAF_LAYOUT.findall(re.sub(r"/\*.*?\*/", "", m.group(2)))]
   return out
 
 
@@ -106,38 +122,38 @@ def _users(comp: hlo.Computation) -> dict[str, list[hlo.Instruction]]:
   return users
 
 
-def _read_bytes(comp: hlo.Computation, users, name: str, full: int) -> int:
+def _read_bytes(comp: hlo.Computation, users, name: str, full: int, size) -> int:
   """Bytes of the fusion parameter `name` that its fused computation reads: the slices'
   bytes when it is only sliced (or updated in place), else all of it."""
   total = 0
   for user in users.get(name, []):
     if user.opcode in ("dynamic-slice", "slice", "gather") and user.operands[0] == name:
-      total += user.bytes
+      total += size(user)
     elif user.opcode == "dynamic-update-slice" and user.operands[0] == name:
       continue  # written in place: the untouched rows are neither read nor written
     elif user.opcode == "bitcast":
-      total += _read_bytes(comp, users, user.name, full)
+      total += _read_bytes(comp, users, user.name, full, size)
     else:
       return full
   return min(total, full)
 
 
-def _written_bytes(comp: hlo.Computation, inst: hlo.Instruction,
+def _written_bytes(comp: hlo.Computation, inst: hlo.Instruction, size,
                    in_hbm: Optional[list[bool]] = None) -> int:
   """Bytes a fused root writes to HBM (in_hbm: per result leaf, whether it lives there):
   an in-place dynamic-update-slice writes its update, not the whole buffer."""
   if inst.opcode == "tuple":
     parts = [comp.instructions[o] for o in inst.operands if o in comp.instructions]
     flags = in_hbm if in_hbm and len(in_hbm) == len(parts) else [True] * len(parts)
-    return sum(_written_bytes(comp, p) for p, keep in zip(parts, flags) if keep)
+    return sum(_written_bytes(comp, p, size) for p, keep in zip(parts, flags) if keep)
   if in_hbm is not None and not all(in_hbm):
     return 0
   if inst.opcode == "bitcast" and inst.operands and inst.operands[0] in comp.instructions:
-    return _written_bytes(comp, comp.instructions[inst.operands[0]])
+    return _written_bytes(comp, comp.instructions[inst.operands[0]], size)
   if inst.opcode == "dynamic-update-slice" and len(inst.operands) > 1 and \
      inst.operands[1] in comp.instructions:
-    return comp.instructions[inst.operands[1]].bytes
-  return inst.bytes
+    return size(comp.instructions[inst.operands[1]])
+  return size(inst)
 
 
 class _Reader:
@@ -146,7 +162,7 @@ class _Reader:
   def __init__(self, module: hlo.Module, text: str, num_devices: int):
     self.module = module
     self.params = _param_numbers(text)
-    self.off_hbm = _off_hbm(text)
+    self.leaf_sizes = _leaf_sizes(text)
     self.num_devices = num_devices
     self._flops: dict[str, int] = {}
 
@@ -166,11 +182,19 @@ class _Reader:
       self._flops[name] = total
     return self._flops[name]
 
+  def _sizes(self, inst: hlo.Instruction) -> list[tuple[int, bool]]:
+    sizes = self.leaf_sizes.get(inst.name)
+    if sizes is None or len(sizes) != len(inst.leaves):
+      return [(hlo.shape_bytes([leaf]), True) for leaf in inst.leaves]
+    return sizes
+
+  def size(self, inst: hlo.Instruction) -> int:
+    """Bytes of inst's result with tile padding, wherever it lives."""
+    return sum(n for n, _ in self._sizes(inst))
+
   def hbm_bytes(self, inst: hlo.Instruction, leaves: Optional[slice] = None) -> int:
     """Bytes of inst's result (of its leaves[leaves]) that live in HBM."""
-    off = self.off_hbm.get(inst.name)
-    pairs = list(zip(inst.leaves, off or [False] * len(inst.leaves)))[leaves or slice(None)]
-    return hlo.shape_bytes([leaf for leaf, away in pairs if not away])
+    return sum(n for n, in_hbm in self._sizes(inst)[leaves or slice(None)] if in_hbm)
 
   def operand_bytes(self, comp: hlo.Computation, inst: hlo.Instruction) -> int:
     return sum(self.hbm_bytes(comp.instructions[o]) for o in inst.operands
@@ -186,12 +210,13 @@ class _Reader:
     read = 0
     for i, operand in enumerate(inst.operands):
       full = self.hbm_bytes(comp.instructions[operand]) if operand in comp.instructions else 0
-      read += _read_bytes(fused, users, by_number[i], full) if i in by_number else full
+      read += (_read_bytes(fused, users, by_number[i], full, self.size) if i in by_number
+               else full)
     root = fused.instructions.get(fused.root) if fused.root else None
     if root is None:
       return read + self.hbm_bytes(inst)
-    off = self.off_hbm.get(inst.name)
-    return read + _written_bytes(fused, root, None if off is None else [not o for o in off])
+    return read + _written_bytes(fused, root, self.size,
+                                 [in_hbm for _, in_hbm in self._sizes(inst)])
 
   def group_size(self, inst: hlo.Instruction) -> int:
     """Devices in the first replica group of a collective (all of them when empty)."""
