@@ -257,8 +257,8 @@ def test_bert_train_step_with_attention_dropout_lowers_to_triton_for_cuda():
   state = abstract_train_state(model, optimizer, mesh, rules, shapes)
   rows = parallel.batch_shardings(shapes, mesh, rules)
   batch = {k: jax.ShapeDtypeStruct(v, jnp.int32, sharding=rows[k]) for k, v in shapes.items()}
-  key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
-                             sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated)
   step = make_train_step(model, optimizer, schedule, mesh=mesh, rules=rules, batch_shapes=shapes,
                          state_shardings=jax.tree.map(lambda x: x.sharding, state))
   with tracing_for("gpu"), record_kernels() as kernels:

@@ -23,8 +23,9 @@ def default_config() -> ml_collections.ConfigDict:
   # none | dots | dots_no_batch | full (least to most recomputation) | auto: the first
   # of those whose compiled train step fits 90% of the device (plan/remat.py)
   c.model.remat_policy = "none"
-  # auto | explicit | xla | cudnn | pallas: the attention kernel (models/attention_core.py;
-  # auto picks per backend, `t5x-like bench model` prints each attention's choice)
+  # auto | explicit | xla | cudnn | pallas | pallas_gpu: the attention kernel
+  # (models/attention_core.py; auto picks per backend, `t5x-like bench model` prints each
+  # attention's choice)
   c.model.attention_impl = "auto"
 
   # Data (t5x_like.data): source spec, vocabulary, objective and lengths.
