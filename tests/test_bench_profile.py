@@ -145,7 +145,8 @@ def _thunk(op, start, dur, device, module="jit_train_step"):
 STEPS = [(prof.STEP_NAME, 0, 100, {"step_num": 0}), (prof.STEP_NAME, 200, 100, {"step_num": 1})]
 
 
-def test_cpu_layout_table_by_hand():
+@pytest.mark.parametrize("with_hlo", [True, False])
+def test_cpu_layout_table_by_hand(with_hlo):
   """Two CPU devices (XLA:CPU thunks on the host plane) x two steps, times in ms.
 
   device 0, step 0: dot 10-30 and loss 20-35 overlap (5 ms each of 20-30), copy 40-50,
@@ -153,6 +154,8 @@ def test_cpu_layout_table_by_hand():
   10-60 (50). Step 1: dot 210-240 (30) on device 0, all-reduce 210-230 (20) on device 1.
   Left out: the while thunk (its body's kernels count), another module's kernel, and a
   kernel between the steps. Per (device, step), averaged over the 4: span 35 ms.
+  Without the HLO, the kernel names alone tell the same, except the loss: its fusion
+  is an elementwise fusion by name.
   """
   data = _xspace({"/host:CPU": {
       "python": STEPS,
@@ -164,12 +167,14 @@ def test_cpu_layout_table_by_hand():
                   _thunk("dot_fusion", 60, 30, 1, module="jit_other")]}})
   kernels, windows = prof.trace_kernels(data)
   assert windows == [(0, 100e6), (200e6, 300e6)]
-  table = prof.profile_table("fixture", hlo_text=HLO, kernels_and_windows=(kernels, windows))
+  table = prof.profile_table("fixture", hlo_text=HLO if with_hlo else None,
+                             kernels_and_windows=(kernels, windows), module="jit_train_step")
   rows = {r["category"]: r for r in table["rows"]}
+  loss = prof.LOSS if with_hlo else prof.ELEMENTWISE
   assert (table["steps"], table["devices"], table["step_ms"]) == (2, 2, 35.0)
   assert table["wall_step_ms"] == 100.0
   assert {c: r["ms_per_step"] for c, r in rows.items() if r["ms_per_step"]} == {
-      prof.MATMULS: 11.25, prof.LOSS: 2.5, prof.COPIES: 2.5, prof.COLLECTIVES: 17.5,
+      prof.MATMULS: 11.25, loss: 2.5, prof.COPIES: 2.5, prof.COLLECTIVES: 17.5,
       prof.IDLE: 1.25}
   assert rows[prof.MATMULS]["percent"] == pytest.approx(100 * 45 / 140, abs=0.01)
   assert rows[prof.MATMULS]["kernels_per_step"] == 0.5  # 2 dots over 4 (device, step)

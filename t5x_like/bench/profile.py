@@ -59,6 +59,7 @@ OPTIMIZER_SCOPE = "optimizer_update"  # jax.named_scope in train/step.py
 _DERIVED_LINES = ("XLA Modules", "Steps", "XLA TraceMe", "Framework Name Scope",
                   "Framework Ops", "Source code", "Launch Stats", "SparseCore")
 _CONTAINERS = ("while", "conditional", "call", "async-start", "async-done", "async-update")
+_CONTAINER_NAME = re.compile(r"(while|conditional|call)(\.\d+)?$")
 _MOVEMENT = {"copy", "copy-start", "copy-done", "transpose", "slice", "dynamic-slice",
              "dynamic-update-slice", "concatenate", "pad", "gather", "scatter", "broadcast",
              "reshape", "bitcast", "reverse", "iota", "parameter", "constant", "tuple",
@@ -307,11 +308,12 @@ def profile_table(path: str, hlo_text: Optional[str] = None,
   kernels, windows = kernels_and_windows or read_trace(path)
   infos = hlo_ops(hlo_text) if hlo_text else {}
   module = module or (hlo_module_name(hlo_text) if hlo_text else None)
-  if module:
-    kernels = [k for k in kernels if not k.module or k.module == module]
-  if infos:  # while / conditional thunks contain their bodies' kernels: count those
+  if module:  # a GPU trace may name it 'jit_train_step(17)'
     kernels = [k for k in kernels
-               if not (k.name in infos and infos[k.name].opcode in _CONTAINERS)]
+               if not k.module or k.module == module or k.module.startswith(module + "(")]
+  # While / conditional thunks contain their bodies' kernels: those are counted.
+  kernels = [k for k in kernels if not (infos[k.name].opcode in _CONTAINERS
+                                        if k.name in infos else _CONTAINER_NAME.match(k.name))]
   groups = step_groups(kernels, windows)
   if not groups:
     raise ValueError(f"{path}: the trace holds no kernels"
