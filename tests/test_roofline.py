@@ -176,7 +176,8 @@ def test_tiled_layouts_count_their_padding():
 
 def test_vmem_operands_and_results_are_not_hbm_traffic():
   """XLA:TPU layouts mark VMEM as memory space S(1): a fusion reading a VMEM copy of a
-  weight and writing to VMEM moves only its HBM operand; copy-start moves the weight."""
+  weight and writing to VMEM moves only its HBM operand; copy-start and slice-start read
+  from HBM what they bring into VMEM."""
   text = """HloModule vmem, num_partitions=1
 
 %fused (p: f32[256,256], q: f32[256,256]) -> f32[256,256] {
@@ -190,12 +191,15 @@ ENTRY %main (a: f32[256,256], b: f32[256,256]) -> f32[256,256] {
   %b = f32[256,256]{1,0:T(8,128)} parameter(1)
   %cs = (f32[256,256]{1,0:T(8,128)S(1)}, f32[256,256]{1,0:T(8,128)}, u32[]{:S(2)}) copy-start(%b)
   %cd = f32[256,256]{1,0:T(8,128)S(1)} copy-done(%cs)
+  %ss = ((f32[256,256]{1,0:T(8,128)}), f32[256,128]{1,0:T(8,128)S(1)}, s32[]{:S(2)}) slice-start(%a), slice={[0:256], [0:128]}
+  %sd = f32[256,128]{1,0:T(8,128)S(1)} slice-done(%ss)
   ROOT %f = f32[256,256]{1,0:T(8,128)S(1)} fusion(%a, %cd), kind=kLoop, calls=%fused
 }
 """
   ops = {o.name: o for o in hlo_cost.hlo_ops(text)}
   size = 256 * 256 * 4
   assert ops["cs"].bytes == size  # HBM read of b; its VMEM copy is free
+  assert ops["ss"].bytes == size // 2  # reads half of a from HBM into VMEM
   assert ops["f"].bytes == size  # reads a from HBM; b and the result are in VMEM
 
 

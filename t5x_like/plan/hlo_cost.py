@@ -122,22 +122,6 @@ def _users(comp: hlo.Computation) -> dict[str, list[hlo.Instruction]]:
   return users
 
 
-def _read_bytes(comp: hlo.Computation, users, name: str, full: int, size) -> int:
-  """Bytes of the fusion parameter `name` that its fused computation reads: the slices'
-  bytes when it is only sliced (or updated in place), else all of it."""
-  total = 0
-  for user in users.get(name, []):
-    if user.opcode in ("dynamic-slice", "slice", "gather") and user.operands[0] == name:
-      total += size(user)
-    elif user.opcode == "dynamic-update-slice" and user.operands[0] == name:
-      continue  # written in place: the untouched rows are neither read nor written
-    elif user.opcode == "bitcast":
-      total += _read_bytes(comp, users, user.name, full, size)
-    else:
-      return full
-  return min(total, full)
-
-
 def _written_bytes(comp: hlo.Computation, inst: hlo.Instruction, size,
                    in_hbm: Optional[list[bool]] = None) -> int:
   """Bytes a fused root writes to HBM (in_hbm: per result leaf, whether it lives there):
@@ -165,6 +149,7 @@ class _Reader:
     self.leaf_sizes = _leaf_sizes(text)
     self.num_devices = num_devices
     self._flops: dict[str, int] = {}
+    self._users: dict[str, dict[str, list[hlo.Instruction]]] = {}
 
   def fused_flops(self, name: str) -> int:
     """Dot and convolution FLOPs of a fused computation, nested fusions included."""
@@ -200,18 +185,43 @@ class _Reader:
     return sum(self.hbm_bytes(comp.instructions[o]) for o in inst.operands
                if o in comp.instructions)
 
+  def read_bytes(self, comp: hlo.Computation, name: str, full: int) -> int:
+    """Bytes of the fusion parameter `name` that its fused computation `comp` reads: the
+    slices' bytes when it is only sliced (or updated in place; through bitcasts and
+    nested fusions), else all of it (`full`)."""
+    total = 0
+    for user in self.users(comp).get(name, []):
+      if user.opcode in ("dynamic-slice", "slice", "gather") and user.operands[0] == name:
+        total += self.size(user)
+      elif user.opcode == "dynamic-update-slice" and user.operands[0] == name:
+        continue  # written in place: the untouched rows are neither read nor written
+      elif user.opcode == "bitcast":
+        total += self.read_bytes(comp, user.name, full)
+      elif user.opcode == "fusion" and user.callees.get("calls", [""])[0] in \
+          self.module.computations:
+        nested = self.module.computations[user.callees["calls"][0]]
+        params = {self.params[n]: n for n in nested.instructions if n in self.params}
+        total += sum(self.read_bytes(nested, params[i], full) if i in params else full
+                     for i, operand in enumerate(user.operands) if operand == name)
+      else:
+        return full
+    return min(total, full)
+
+  def users(self, comp: hlo.Computation) -> dict[str, list[hlo.Instruction]]:
+    if comp.name not in self._users:
+      self._users[comp.name] = _users(comp)
+    return self._users[comp.name]
+
   def fusion_bytes(self, comp: hlo.Computation, inst: hlo.Instruction) -> int:
     """Operands read and results written at the fusion's boundary."""
     fused = self.module.computations.get((inst.callees.get("calls") or [""])[0])
     if fused is None:
       return self.operand_bytes(comp, inst) + self.hbm_bytes(inst)
-    users = _users(fused)
     by_number = {self.params[n]: n for n in fused.instructions if n in self.params}
     read = 0
     for i, operand in enumerate(inst.operands):
       full = self.hbm_bytes(comp.instructions[operand]) if operand in comp.instructions else 0
-      read += (_read_bytes(fused, users, by_number[i], full, self.size) if i in by_number
-               else full)
+      read += self.read_bytes(fused, by_number[i], full) if i in by_number else full
     root = fused.instructions.get(fused.root) if fused.root else None
     if root is None:
       return read + self.hbm_bytes(inst)
@@ -250,8 +260,7 @@ class _Reader:
     if kind:
       return self.collective_op(comp, inst, kind, times)
     if inst.opcode in ("copy-start", "slice-start"):  # HBM <-> VMEM: the HBM side counts
-      moved = self.operand_bytes(comp, inst) + self.hbm_bytes(inst, slice(0, 1))
-      return Op(inst.name, inst.opcode, times, 0.0, moved) if moved else None
+      return self.async_copy(comp, inst, times)
     if inst.opcode in _FREE:
       return None
     if inst.opcode == "fusion":
@@ -269,6 +278,18 @@ class _Reader:
              hlo.conv_flops(comp, inst) if inst.opcode == "convolution" else 0)
     return Op(inst.name, inst.opcode, times, flops,
               self.operand_bytes(comp, inst) + self.hbm_bytes(inst))
+
+  def async_copy(self, comp, inst, times: int) -> Optional[Op]:
+    """copy-start: (destination, source, context); slice-start: ((source), destination,
+    context). The destination's bytes are read from the source's memory and written to
+    its own; each side in HBM counts."""
+    sizes = self._sizes(inst)
+    if len(sizes) < 2 or not inst.operands or inst.operands[0] not in comp.instructions:
+      return None
+    dest_bytes, dest_in_hbm = sizes[0 if inst.opcode == "copy-start" else 1]
+    source = self._sizes(comp.instructions[inst.operands[0]])
+    moved = dest_bytes * (int(dest_in_hbm) + int(all(in_hbm for _, in_hbm in source)))
+    return Op(inst.name, inst.opcode, times, 0.0, moved) if moved else None
 
   def custom_call(self, comp, inst, times: int) -> Optional[Op]:
     target = re.search(r'custom_call_target="([^"]*)"', inst.attrs)
