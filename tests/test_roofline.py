@@ -163,6 +163,38 @@ ENTRY %main (a: f32[64,128], b: f32[128,32]) -> f32[64,32] {
   assert (op.flops, op.bytes) == (2 * 64 * 32 * 128, 4 * (64 * 128 + 128 * 32 + 64 * 32))
 
 
+def test_a_stack_sliced_inside_a_nested_fusion_reads_one_row():
+  """XLA:TPU slices a scanned layer's weights out of the [L, ...] stack in a fusion nested
+  in the matmul's: the outer fusion reads one row, not the stack."""
+  text = """HloModule nested, num_partitions=1
+
+%slice_row (p.2: f32[6,1024], i.2: s32[]) -> f32[1,1024] {
+  %p.2 = f32[6,1024]{1,0} parameter(0)
+  %i.2 = s32[] parameter(1)
+  %z.2 = s32[] constant(0)
+  ROOT %ds.2 = f32[1,1024]{1,0} dynamic-slice(%p.2, %i.2, %z.2), dynamic_slice_sizes={1,1024}
+}
+
+%outer (p.1: f32[6,1024], i.1: s32[], x.1: f32[8,1]) -> f32[8,1024] {
+  %p.1 = f32[6,1024]{1,0} parameter(0)
+  %i.1 = s32[] parameter(1)
+  %x.1 = f32[8,1]{1,0} parameter(2)
+  %row.1 = f32[1,1024]{1,0} fusion(%p.1, %i.1), kind=kLoop, calls=%slice_row
+  ROOT %d.1 = f32[8,1024]{1,0} dot(%x.1, %row.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (p: f32[6,1024], i: s32[], x: f32[8,1]) -> f32[8,1024] {
+  %p = f32[6,1024]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %x = f32[8,1]{1,0} parameter(2)
+  ROOT %f = f32[8,1024]{1,0} fusion(%p, %i, %x), kind=kOutput, calls=%outer
+}
+"""
+  op, = hlo_cost.hlo_ops(text)
+  assert op.flops == 2 * 8 * 1024 * 1
+  assert op.bytes == 1024 * 4 + 4 + 8 * 4 + 8 * 1024 * 4
+
+
 def test_tiled_layouts_count_their_padding():
   """XLA:TPU stores whole (8, 128) tiles: f32[256, 64] takes 256 x 128 floats, a scalar
   with T(128) 128 of them."""
