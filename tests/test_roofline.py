@@ -10,6 +10,7 @@ deviceless) and checks the plan's roofline against its own collectives.
 import dataclasses
 import json
 import pathlib
+import types
 
 import jax
 import jax.numpy as jnp
@@ -263,6 +264,12 @@ def test_chip_facts_per_generation():
   chip = roofline.chip_for(parse_topology("v5e-16"))
   assert (chip.peak_flops, chip.hbm_bandwidth, chip.ici_bandwidth) == (197e12, 819e9, 200e9)
   assert roofline.chip_for(Topology("cpu-8", "cpu", "cpu", 8, 1, 1e9, 1 << 30)) is None
+  h100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+  assert roofline.chip_of_device(h100) == roofline.Chip(
+      "NVIDIA H100 80GB HBM3", 989e12, 3350e9, 450e9)
+  h200 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")
+  assert roofline.chip_of_device(h200).hbm_bandwidth == 4800e9
+  assert roofline.chip_of_device(jax.devices("cpu")[0]) is None
 
 
 def test_recipe_row_cells_show_the_bound_in_ms_and_the_mfu_ceiling():

@@ -1,6 +1,7 @@
 """A roofline step time of a compiled program: the least time its ops can take on a chip.
 
   bound = roofline(compiled, chip_for(topology), model_flops=flops_per_step)
+  bound = roofline(compiled, chip_of_device(jax.devices()[0]), model_flops=...)  # a GPU
   bound["seconds"], bound["compute_seconds"], bound["memory_seconds"],
   bound["collective_seconds"], bound["mfu_ceiling"]
 
@@ -74,6 +75,19 @@ def chip_for(topology) -> Optional[Chip]:
     return None
   return Chip(topology.device_kind, topology.peak_flops, topology.hbm_bandwidth,
               topology.ici_bandwidth)
+
+
+def chip_of_device(device, dtype: str = "bfloat16") -> Optional[Chip]:
+  """The Chip of a present JAX device (e.g. jax.devices()[0] on a lent H100): its peak
+  (train/flops.py) and its family's bandwidths (plan/topology.py); None for a CPU or an
+  accelerator whose bandwidths are not in the table."""
+  from t5x_like.plan.topology import family_of
+  from t5x_like.train.flops import peak_flops_per_device
+  family = family_of(device.device_kind) if device.platform != "cpu" else None
+  if family is None or not family.hbm_bandwidth:
+    return None
+  return Chip(device.device_kind, peak_flops_per_device(device, dtype),
+              family.hbm_bandwidth, family.ici_bandwidth)
 
 
 def collective_seconds(op: Op, ici_bandwidth: float) -> float:
