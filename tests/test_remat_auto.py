@@ -31,14 +31,17 @@ GIB = 1 << 30
 
 # ------------------------------------------------------------- the decision (fakes)
 def _fake(results: dict):
-  """total_of from {policy: bytes | 'over'}, recording the order it is asked in."""
+  """total_of from {policy: bytes | 'over' | ('over', bytes the compiler says it needs)},
+  recording the order it is asked in."""
   asked = []
 
   def total_of(policy):
     asked.append(policy)
-    if results[policy] == "over":
-      raise OverMemory("RESOURCE_EXHAUSTED: Used 20G of 16G hbm", None, 16 * GIB)
-    return results[policy]
+    result = results[policy]
+    if result == "over" or isinstance(result, tuple):
+      needs = result[1] if isinstance(result, tuple) else None
+      raise OverMemory("RESOURCE_EXHAUSTED: Used 20G of 16G hbm", needs, 16 * GIB)
+    return result
   return total_of, asked
 
 
@@ -52,8 +55,8 @@ def test_roomy_device_takes_none_after_one_compile():
 def test_first_fitting_policy_in_recompute_order_with_reasons():
   # 'none' refused by the compiler, 'dots' over 90% of 16 GiB (14.4), 'dots_no_batch'
   # fits; 'full' would fit too but recomputes more and is never compiled.
-  total_of, asked = _fake({"none": "over", "dots": 15 * GIB, "dots_no_batch": 12 * GIB,
-                           "full": 5 * GIB})
+  total_of, asked = _fake({"none": ("over", 20 * GIB), "dots": 15 * GIB,
+                           "dots_no_batch": 12 * GIB, "full": 5 * GIB})
   choice = remat.choose_remat(total_of, 16 * GIB)
   assert asked == ["none", "dots", "dots_no_batch"]
   assert (choice.policy, choice.fits, choice.budget_bytes) == (
@@ -61,9 +64,9 @@ def test_first_fitting_policy_in_recompute_order_with_reasons():
   assert [(c.policy, c.fits, c.refused) for c in choice.candidates] == [
       ("none", False, True), ("dots", False, False), ("dots_no_batch", True, False)]
   assert choice.summary() == ("remat auto: chose dots_no_batch (compiled 12.00 GiB of"
-                              " 16.00 GiB; none needed more (refused))")
+                              " 16.00 GiB; none needed 20.00 GiB)")
   reasons = choice.reasons()
-  assert reasons[0] == "none: over (refused by the compiler)"
+  assert reasons[0] == "none: over (refused by the compiler, needs 20.000 GiB)"
   assert reasons[1] == "dots: 15.000 GiB > 14.400 GiB budget (over)"
   assert reasons[2] == "dots_no_batch: 12.000 GiB <= 14.400 GiB budget (fits)"
 
@@ -74,6 +77,7 @@ def test_nothing_fits_takes_full_and_says_so():
   choice = remat.choose_remat(total_of, 16 * GIB)
   assert asked == list(remat.REMAT_ORDER) == ["none", "dots", "dots_no_batch", "full"]
   assert (choice.policy, choice.fits) == ("full", False)
+  assert choice.summary().startswith("remat auto: chose full (compiled 15.00 GiB of 16.00 GiB")
   assert "nothing fits 90% of the device" in choice.summary()
   assert "none needed 40.00 GiB" in choice.summary()
 
@@ -115,7 +119,7 @@ def test_plan_text_says_what_auto_picked_and_why():
   assert lines == [
       "remat auto: chose dots_no_batch by compiling each, least recomputation first,"
       " against 90% of 16.000 GiB = 14.400 GiB",
-      "  none           over (refused by the compiler)  over",
+      "  none           over (refused by the compiler; needs ?)  over",
       "  dots                 15.000 GiB  over",
       "  dots_no_batch        12.000 GiB  fits"]
   assert remat.choice_lines(None) == []
@@ -195,6 +199,30 @@ def test_every_candidate_compiled_in_order_when_none_fits():
                                   memory_bytes=min(totals.values()) - 1, headroom=1.0)
   assert (choice.policy, choice.fits) == ("full", False)
   assert {c.policy: c.total_bytes for c in choice.candidates} == totals
+
+
+@pytest.mark.slow
+def test_train_and_finetune_log_the_choice(tmp_path, capsys):
+  """`train` with auto, then `finetune` from a pretraining config that says auto."""
+  bert = CONFIGS / "bert_cpu.py"
+  assert cli.main(["train", f"--config={bert}:smoke", f"--workdir={tmp_path / 'pre'}",
+                   "--config.model.remat_policy=auto", "--config.train.num_steps=2",
+                   "--config.optimizer.warmup_steps=1", "--config.train.eval_every=0"]) == 0
+  out = capsys.readouterr().out
+  assert "remat auto: chose none (compiled " in out and " MiB of " in out
+  pretrain = tmp_path / "bert_auto.py"
+  pretrain.write_text("from t5x_like.command_flags import load_config_file\n\n\n"
+                      "def get_config():\n"
+                      f"  c = load_config_file({str(bert) + ':smoke'!r})\n"
+                      "  c.model.remat_policy = 'auto'\n  return c\n")
+  task = tmp_path / "books"
+  assert cli.main(["task", "books", "--out", str(task), "--num_blocks", "4",
+                   "--block_words", "100", "--passage_words", "16"]) == 0
+  capsys.readouterr()
+  assert cli.main(["finetune", f"--config={CONFIGS / 'finetune_books.py'}:bert,smoke,"
+                   f"dir={task}", f"--workdir={tmp_path / 'ft'}",
+                   f"--config.init.config={pretrain}", "--config.train.num_steps=2"]) == 0
+  assert "remat auto: chose none (compiled " in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------ TPU (deviceless)

@@ -27,6 +27,7 @@ class Backbone(NamedTuple):
   tokenizer: Tokenizer
   params: Optional[Any]  # the pretrained model's params; None: initialise at random
   source: str  # where it came from, for the log
+  remat_auto: bool = False  # the pretraining config's model.remat_policy is "auto"
 
 
 def _tokenizer(config, default) -> Tokenizer:
@@ -82,9 +83,11 @@ def load_backbone(config) -> Backbone:
     model_config = model_config.replace(**overrides)
   if not init.checkpoint:
     return Backbone(model_config, _tokenizer(config, vocab), None,
-                    f"random initialisation of {init.config}")
+                    f"random initialisation of {init.config}",
+                    pretrain.model.remat_policy == "auto")
   from t5x_like.train.pretrained import load_pretrained
   loaded = load_pretrained(pretrain, init.checkpoint,
                            step=None if init.step < 0 else int(init.step))
   return Backbone(model_config, _tokenizer(config, vocab), loaded.params,
-                  f"{init.config} checkpoint step {loaded.step} in {init.checkpoint}")
+                  f"{init.config} checkpoint step {loaded.step} in {init.checkpoint}",
+                  pretrain.model.remat_policy == "auto")

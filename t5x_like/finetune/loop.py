@@ -34,6 +34,7 @@ from t5x_like.finetune.model import FinetuneModel, finetunes_text_to_text
 from t5x_like.finetune.splits import load_splits, run_task
 from t5x_like.finetune.submission import benchmark_outputs
 from t5x_like.models import model_class
+from t5x_like.plan.remat import resolve_remat
 from t5x_like.train.optimizers import make_optimizer
 from t5x_like.train.preemption import RunResult
 from t5x_like.train.run_context import open_run
@@ -102,6 +103,13 @@ def finetune(config: ml_collections.ConfigDict, workdir, *,
       stacks = model_class(model.config).stack_layers(model.config)
       depths = layer_depths(model.param_shapes(batch_shapes), stacks)
       optimizer = optax.chain(optimizer, scale_by_layer(depths, config.optimizer.layer_decay))
+    if backbone.remat_auto:  # model.remat_policy="auto": chosen by compiling (plan/remat.py)
+      model, remat = resolve_remat(
+          model, optimizer, schedule, mesh, rules, batch_shapes, microbatches=tc.microbatches,
+          rebuild=lambda m, policy: FinetuneModel(
+              m.config.replace(remat_policy=policy), task,
+              num_labels=len(train_set.labels), label_targets=targets))
+      run.writer.log(remat.summary())
     run.writer.log(f"backbone: {backbone.source}; {model.num_params():,} params; task"
                    f" {task.name} with {len(train_set.labels)} labels; train"
                    f" {json.dumps(train_stats)} of {train_set.path}"

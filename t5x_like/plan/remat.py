@@ -38,13 +38,19 @@ REMAT_ORDER = ("none", "dots", "dots_no_batch", "full")
 MEMORY_HEADROOM = 0.9
 _GIB = float(1 << 30)
 
+
+def _size(n: float) -> str:
+  """Bytes in GiB, or MiB under 1 GiB (a CPU smoke step takes a few MiB)."""
+  return f"{n / _GIB:.2f} GiB" if n >= _GIB else f"{n / (1 << 20):.2f} MiB"
+
 TotalOf = Callable[[str], int]  # remat policy -> compiled total bytes per device
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-  """One compiled policy: total_bytes per device (None: refused with its size unknown),
-  whether it fits the budget, and whether the compiler refused it for memory."""
+  """One compiled policy: total_bytes per device, whether it fits the budget, and
+  whether the compiler refused it for memory (then total_bytes is what the compiler
+  said the program needs, None when it did not say)."""
   policy: str
   total_bytes: Optional[int]
   fits: bool
@@ -62,21 +68,17 @@ class RematChoice:
   candidates: tuple[Candidate, ...]
   by: str = "compiled"
 
-  def _total(self, policy: str) -> Optional[int]:
-    return next((c.total_bytes for c in self.candidates if c.policy == policy), None)
-
   def summary(self) -> str:
-    """'remat auto: chose dots (compiled 11.2 GiB of 16.0 GiB; none needed 17.5 GiB)'."""
+    """'remat auto: chose dots (compiled 11.20 GiB of 16.00 GiB; none needed 17.50 GiB)'."""
     if self.memory_bytes is None:
       return f"remat auto: chose {self.policy} (the device's memory is unknown)"
-    total = self._total(self.policy)
-    used = "over" if total is None else f"{total / _GIB:.2f} GiB"
-    text = (f"remat auto: chose {self.policy} ({self.by} {used} of"
-            f" {self.memory_bytes / _GIB:.2f} GiB")
+    needed = lambda c: ("more (refused by the compiler)" if c.total_bytes is None
+                        else _size(c.total_bytes))
+    chosen = self.candidates[-1]  # the first that fits, else 'full', the last compiled
+    text = f"remat auto: chose {self.policy} ({self.by} {needed(chosen)} of" \
+           f" {_size(self.memory_bytes)}"
     if self.policy != "none":
-      none = self._total("none")
-      text += "; none needed " + ("more (refused)" if none is None else
-                                  f"{none / _GIB:.2f} GiB")
+      text += f"; none needed {needed(self.candidates[0])}"
     text += ")"
     if not self.fits:
       text += (f"; nothing fits {MEMORY_HEADROOM:.0%} of the device: lower"
@@ -87,13 +89,13 @@ class RematChoice:
     """One line per compiled candidate: its memory against the budget, or 'over'."""
     lines = []
     for c in self.candidates:
-      size = "over (refused by the compiler)" if c.total_bytes is None else \
-          f"{c.total_bytes / _GIB:.3f} GiB"
-      verdict = "fits" if c.fits else "over"
-      budget = "" if self.budget_bytes is None else \
-          f" {'<=' if c.fits else '>'} {self.budget_bytes / _GIB:.3f} GiB budget"
-      lines.append(f"{c.policy}: {size}{budget} ({verdict})" if c.total_bytes is not None
-                   else f"{c.policy}: {size}")
+      if c.refused:
+        needs = "" if c.total_bytes is None else f", needs {c.total_bytes / _GIB:.3f} GiB"
+        lines.append(f"{c.policy}: over (refused by the compiler{needs})")
+        continue
+      sign, verdict = ("<=", "fits") if c.fits else (">", "over")
+      lines.append(f"{c.policy}: {c.total_bytes / _GIB:.3f} GiB {sign}"
+                   f" {self.budget_bytes / _GIB:.3f} GiB budget ({verdict})")
     return lines
 
   def to_json(self) -> dict:
@@ -118,8 +120,8 @@ def choose_remat(total_of: TotalOf, memory_bytes: Optional[int], *,
   for policy in REMAT_ORDER:
     try:
       total, refused = int(total_of(policy)), False
-    except OverMemory:
-      total, refused = None, True
+    except OverMemory as e:
+      total, refused = e.required_bytes, True
     fits = not refused and total <= budget
     candidates.append(Candidate(policy, total, fits, refused))
     if fits:
@@ -135,13 +137,13 @@ def with_policy(model, policy: str):
 
 
 def compiled_totals(model, optimizer, schedule, mesh, rules, batch_shapes,
-                    microbatches: int = 1) -> TotalOf:
+                    microbatches: int = 1, rebuild=with_policy) -> TotalOf:
   """policy -> the compiled train step's total bytes per device (memory_analysis) of
-  `model` with that policy on `mesh`; fit.OverMemory when the compiler refuses it."""
+  rebuild(model, policy) on `mesh`; fit.OverMemory when the compiler refuses it."""
 
   def total_of(policy: str) -> int:
     try:
-      xla = compiled_lib.compile_train_step(with_policy(model, policy), optimizer, schedule,
+      xla = compiled_lib.compile_train_step(rebuild(model, policy), optimizer, schedule,
                                             mesh, rules, batch_shapes, microbatches)
     except Exception as e:  # libtpu refuses a program over HBM at compile time
       refused = over_memory(e)
@@ -162,17 +164,19 @@ def device_memory_bytes() -> Optional[int]:
 
 def resolve_remat(model, optimizer, schedule, mesh, rules, batch_shapes, *,
                   microbatches: int = 1, memory_bytes: Optional[int] = None,
-                  headroom: float = MEMORY_HEADROOM):
+                  headroom: float = MEMORY_HEADROOM, rebuild=with_policy):
   """(model with the chosen policy, RematChoice) for a train step of `batch_shapes`
   (feature -> global shape) on `mesh`, compiled per candidate (choose_remat).
 
   memory_bytes: one device's memory (default: device_memory_bytes() of the devices here).
+  rebuild(model, policy): the model with that policy (default with_policy: a pretraining
+  model; a fine-tuning model passes its own constructor).
   """
   if memory_bytes is None:
     memory_bytes = device_memory_bytes()
   choice = choose_remat(compiled_totals(model, optimizer, schedule, mesh, rules, batch_shapes,
-                                        microbatches), memory_bytes, headroom=headroom)
-  return with_policy(model, choice.policy), choice
+                                        microbatches, rebuild), memory_bytes, headroom=headroom)
+  return rebuild(model, choice.policy), choice
 
 
 def largest_shapes(shapes: list[dict]) -> dict:
@@ -235,6 +239,8 @@ def choice_lines(choice: Optional[dict]) -> list[str]:
     head += "; NOTHING FITS, took full"
   lines = [head]
   for c in choice["candidates"]:
-    size = "over (refused by the compiler)" if c["refused"] else gib(c["total_bytes"])
+    size = gib(c["total_bytes"]) if c["total_bytes"] is not None else "?"
+    if c["refused"]:
+      size = f"over (refused by the compiler; needs {size})"
     lines.append(f"  {c['policy']:<14} {size:>16}  {'fits' if c['fits'] else 'over'}")
   return lines
