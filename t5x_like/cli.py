@@ -16,7 +16,7 @@ import os
 import sys
 import traceback
 
-from t5x_like import command_flags
+from t5x_like import command_flags, gpu_flags
 from t5x_like.errors import USER_ERROR_EXIT, UserError
 
 # glibc's malloc backs its large (mmap) allocations with transparent huge pages when
@@ -113,6 +113,13 @@ def _leave_out_absent_tpu() -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
+def _set_gpu_xla_flags() -> None:
+  """Adds gpu_flags' XLA flags to XLA_FLAGS on a host with an NVIDIA GPU (before jax
+  is imported, which reads XLA_FLAGS once)."""
+  os.environ.update(gpu_flags.with_gpu_flags(os.environ,
+                                             gpu_present=_pci_vendor_present("0x10de")))
+
+
 def accelerator_present() -> bool:
   """A TPU (Google's PCI vendor 0x1ae0, or /dev/accel*, /dev/vfio) or an NVIDIA GPU (PCI
   vendor 0x10de) on this host."""
@@ -126,6 +133,7 @@ def main(argv=None) -> int:
   if argv is None:  # the console command, not an in-process call
     _reexec_with_huge_pages()
     _leave_out_absent_tpu()
+    _set_gpu_xla_flags()
   argv = sys.argv[1:] if argv is None else list(argv)
   debug = command_flags.debug_requested(argv)
   argv = [a for a in argv if a != "--debug"]
