@@ -52,7 +52,12 @@ t5_remat_auto||$BENCH $T5 --config.model.remat_policy=auto PROFILE
 t5_full_logits||$BENCH $T5 --config.model.overrides.loss_chunk_rows=0 PROFILE
 peer_gpt2||bench peer $GPT2 --steps 20 --rounds 1
 peer_bert||bench peer $BERT_LARGE --steps 20 --rounds 1
+resume_pallas_gpu||(a SIGKILL after the save at step 8 and a rerun, against an uninterrupted run)
+compare||(the losses of bert_auto against bert_explicit, of resume_pallas_gpu against its whole run)
 "
+
+# resume_pallas_gpu: BERT-tiny (bf16, attention dropout 0.1) through the Pallas GPU kernel.
+RESUME="train --config configs/bert_cpu.py --config.model.attention_impl=pallas_gpu --config.train.num_steps=24 --config.train.log_every=1 --config.train.checkpoint_every=8 --config.train.eval_every=16 --config.train.async_checkpoints=False --config.optimizer.warmup_steps=4"
 
 step_names() { printf '%s\n' "$STEP_TABLE" | sed -n 's/^\([a-z0-9_]*\)|.*/\1/p'; }
 
@@ -78,6 +83,10 @@ run_step() {  # run_step NAME RUNNER
   local name=$1 t5x=$2 line env_part args_part start rc
   line=$(step_line "$name")
   [[ -n $line ]] || usage_error "unknown step '$name' (launch/gpu_bench.sh list)"
+  case $name in
+    resume_pallas_gpu) run_logged "$name" resume_check "$t5x"; return 0 ;;
+    compare) run_logged "$name" compare_losses; return 0 ;;
+  esac
   env_part=$(printf '%s' "$line" | cut -d'|' -f2)
   args_part=$(printf '%s' "$line" | cut -d'|' -f3)
   args_part=${args_part/PROFILE/--profile $OUT/$name.prof}
@@ -91,6 +100,50 @@ run_step() {  # run_step NAME RUNNER
   # shellcheck disable=SC2086  # word splitting of the table's arguments is wanted
   (cd "$REPO_ROOT" && eval "$cmd") >"$OUT/$name.json" 2>"$OUT/$name.log" || rc=$?
   printf '%-24s exit %3d  %4d s\n' "$name" "$rc" "$((SECONDS - start))" | tee -a "$OUT/summary.txt" >&2
+}
+
+run_logged() {  # run_logged NAME FUNCTION ARGS...: OUT/NAME.log and a summary line
+  local name=$1 start rc=0
+  shift
+  if is_dry_run; then
+    printf '+ %s\n' "$*"
+    return 0
+  fi
+  start=$SECONDS
+  (cd "$REPO_ROOT" && "$@") >"$OUT/$name.log" 2>&1 || rc=$?
+  printf '%-24s exit %3d  %4d s\n' "$name" "$rc" "$((SECONDS - start))" | tee -a "$OUT/summary.txt" >&2
+}
+
+resume_check() {  # resume_check RUNNER: whole run, killed run + rerun; equal losses
+  local t5x=$1 rc=0
+  rm -rf "$OUT/resume_whole" "$OUT/resume_killed"
+  eval "$t5x $RESUME --workdir $OUT/resume_whole"
+  eval "T5X_LIKE_FAILPOINT=after_save@8 $t5x $RESUME --workdir $OUT/resume_killed" || rc=$?
+  echo "killed run: exit $rc (137 expected: SIGKILL)"
+  [[ $rc -eq 137 ]] || return 1
+  eval "$t5x $RESUME --workdir $OUT/resume_killed"
+  python3 - "$OUT/resume_whole/metrics.jsonl" "$OUT/resume_killed/metrics.jsonl" <<'PY'
+import json, sys
+def losses(path):
+  rows = [json.loads(l) for l in open(path) if l.strip()]
+  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+whole, killed = (losses(p) for p in sys.argv[1:])
+same = whole == killed and len(whole) == 24
+print(f"{len(whole)} steps; resumed losses equal the uninterrupted run's bit for bit: {same}")
+sys.exit(0 if same else 1)
+PY
+}
+
+compare_losses() {  # the fused kernel's 20+3 losses against the explicit kernel's
+  python3 - "$OUT/bert_auto.json" "$OUT/bert_explicit.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:])
+la, lb = a["train"]["losses"], b["train"]["losses"]
+worst = max(abs(x - y) / abs(y) for x, y in zip(la, lb))
+print(f"kernels {a['attention_kernels']} vs {b['attention_kernels']}")
+print(f"{len(la)} steps, largest relative loss difference {worst:.4f} (bf16: < 0.02)")
+sys.exit(0 if worst < 0.02 else 1)
+PY
 }
 
 main() {
