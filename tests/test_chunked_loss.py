@@ -122,11 +122,13 @@ def test_no_rows_by_vocab_float32_array_in_the_compiled_gradient():
 # ------------------------------------------------------------------ the families
 def _assert_loss_fn_unchanged_by_chunking(config, batch, chunk_rows):
   batch = jax.tree.map(jnp.asarray, batch)
-  plain, chunked = build_model(config), build_model(config.replace(loss_chunk_rows=chunk_rows))
+  plain, chunked = (build_model(config.replace(loss_chunk_rows=0)),
+                    build_model(config.replace(loss_chunk_rows=chunk_rows)))
   params = plain.init(jax.random.key(0), {k: v.shape for k, v in batch.items()})
 
   def run(model):
-    fn = lambda p: model.loss_fn(p, batch, jax.random.key(1))
+    # 'rbg' dropout keys compile much faster than threefry on CPU
+    fn = lambda p: model.loss_fn(p, batch, jax.random.key(1, impl="rbg"))
     return jax.jit(jax.value_and_grad(fn, has_aux=True))(params)
 
   (want_loss, want), want_grads = run(plain)
@@ -139,6 +141,7 @@ def _assert_loss_fn_unchanged_by_chunking(config, batch, chunk_rows):
   for (path, w), g in zip(flat_want, jax.tree.leaves(got_grads), strict=True):
     np.testing.assert_allclose(g, w, atol=1e-6 * max(1.0, np.abs(w).max()), rtol=1e-4,
                                err_msg=jax.tree_util.keystr(path))
+  return params
 
 
 def _lm_batch(rng, vocab, shape, encoder=False):
@@ -151,22 +154,30 @@ def _lm_batch(rng, vocab, shape, encoder=False):
 
 
 def test_gpt2_loss_fn_with_chunks_equals_without():
-  """Tied embedding, dropout on, z-loss and label smoothing: 2 x 9 rows in chunks of 4."""
+  """Tied embedding, dropout on, z-loss and label smoothing: 2 x 9 rows in chunks of 4;
+  logits() (infer, eval) still returns the full [B, T, V] logits."""
   config = gpt2(1, 32, num_heads=2, d_ff=64, vocab_size=61, max_position_embeddings=16,
                 z_loss=Z_LOSS, label_smoothing=SMOOTHING)
-  _assert_loss_fn_unchanged_by_chunking(config, _lm_batch(np.random.default_rng(0), 61, (2, 9)),
-                                        chunk_rows=4)
+  batch = _lm_batch(np.random.default_rng(0), 61, (2, 9))
+  params = _assert_loss_fn_unchanged_by_chunking(config, batch, chunk_rows=4)
+  inputs = {"decoder_input_tokens": jnp.asarray(batch["decoder_input_tokens"])}
+  logits = build_model(config.replace(loss_chunk_rows=4)).logits(params, inputs)
+  assert logits.shape == (2, 9, 61)
+  np.testing.assert_array_equal(logits, build_model(config.replace(loss_chunk_rows=0)).logits(
+      params, inputs))
 
 
-@pytest.mark.parametrize("version", ["1.0", "1.1"])
-def test_t5_loss_fn_with_chunks_equals_without(version):
-  """v1.0: tied and scaled logits; v1.1: the untied [D, V] lm head."""
-  config = t5(version, 32, 64, 1, 2, vocab_size=59, head_dim=16, dropout_rate=0.1,
-              z_loss=Z_LOSS, label_smoothing=SMOOTHING)
+@pytest.mark.slow
+def test_t5_loss_fn_with_chunks_equals_without():
+  """The untied [D, V] lm head of T5 v1.1, on hidden states scaled as v1.0's
+  (scale_decoder_output), dropout on."""
+  config = t5("1.1", 32, 64, 1, 2, vocab_size=59, head_dim=16, dropout_rate=0.1,
+              scale_decoder_output=True, z_loss=Z_LOSS, label_smoothing=SMOOTHING)
   batch = _lm_batch(np.random.default_rng(1), 59, (2, 7), encoder=True)
   _assert_loss_fn_unchanged_by_chunking(config, batch, chunk_rows=5)
 
 
+@pytest.mark.slow
 def test_bert_loss_fn_with_chunks_equals_without():
   """MLM at mlm_positions with weights (and its output bias), NSP beside it."""
   rng = np.random.default_rng(2)
@@ -180,12 +191,33 @@ def test_bert_loss_fn_with_chunks_equals_without():
   _assert_loss_fn_unchanged_by_chunking(config, batch, chunk_rows=5)
 
 
-def test_logits_are_unchanged_by_chunking():
-  """logits() (infer, eval) still returns the full [B, T, V] logits."""
-  config = gpt2(1, 32, num_heads=2, d_ff=64, vocab_size=61, max_position_embeddings=16)
-  batch = {"decoder_input_tokens": jnp.ones((2, 5), jnp.int32)}
-  params = build_model(config).init(jax.random.key(0), {"decoder_input_tokens": (2, 5)})
-  want = build_model(config).logits(params, batch)
-  got = build_model(config.replace(loss_chunk_rows=3)).logits(params, batch)
-  assert got.shape == (2, 5, 61)
-  np.testing.assert_array_equal(got, want)
+@pytest.mark.slow
+def test_sharded_chunked_loss_equals_single_device_full_logits():
+  """On a data x fsdp x tensor = 2 x 2 x 2 mesh under the default rules (rows over
+  data+fsdp, the tied embedding's vocab over tensor): the chunked GPT-2 loss and its
+  gradients equal the unsharded loss on full logits, and each device's chunk of logits
+  is [8 rows / 4, 64 vocab / 2]."""
+  from t5x_like import parallel
+  config = gpt2(1, 32, num_heads=2, d_ff=64, vocab_size=64, max_position_embeddings=16,
+                dropout_rate=0.0, attention_dropout_rate=0.0, z_loss=Z_LOSS,
+                label_smoothing=SMOOTHING)
+  batch = jax.tree.map(jnp.asarray, _lm_batch(np.random.default_rng(3), 64, (4, 8)))
+  plain, chunked = (build_model(config.replace(loss_chunk_rows=0)),
+                    build_model(config.replace(loss_chunk_rows=8)))
+  shapes = {k: v.shape for k, v in batch.items()}
+  params = plain.init(jax.random.key(0), shapes)
+  grad = lambda model: jax.value_and_grad(lambda p, b: model.loss_fn(p, b, None)[0])
+  want_loss, want_grads = jax.jit(grad(plain))(params, batch)
+
+  mesh = parallel.make_mesh([("data", 2), ("fsdp", 2), ("tensor", 2)])
+  rules = parallel.DEFAULT_RULES
+  param_sh = parallel.param_shardings(chunked, mesh, rules, shapes)
+  with parallel.mesh_rules(mesh, rules):
+    step = jax.jit(grad(chunked), in_shardings=(param_sh, parallel.batch_shardings(
+        batch, mesh, rules)))
+    hlo = step.lower(jax.device_put(params, param_sh), batch).compile().as_text()
+    got_loss, got_grads = step(jax.device_put(params, param_sh), batch)
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+  for w, g in zip(jax.tree.leaves(want_grads), jax.tree.leaves(got_grads), strict=True):
+    np.testing.assert_allclose(g, w, atol=1e-6 * max(1.0, np.abs(w).max()), rtol=1e-4)
+  assert _f32_shapes(hlo, 2, 32) and not _f32_shapes(hlo, 8, 64)
