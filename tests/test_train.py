@@ -77,11 +77,15 @@ def _wait_for_step(workdir: str, proc: subprocess.Popen, step: int, timeout=300,
 PALLAS_DROPOUT = ("--config.model.attention_impl=pallas", "--config.data.length=128",
                   "--config.model.overrides.max_position_embeddings=128",
                   "--config.model.overrides.attention_dropout_rate=0.1")
+# The same through the Pallas GPU (Triton) kernel, also in interpret mode here.
+PALLAS_GPU_DROPOUT = ("--config.model.attention_impl=pallas_gpu",
+                      "--config.model.overrides.attention_dropout_rate=0.1")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, extra", [("bert_cpu.py:smoke", PALLAS_DROPOUT)],
-                         ids=["bert-pallas-dropout"])
+@pytest.mark.parametrize("config, extra", [("bert_cpu.py:smoke", PALLAS_DROPOUT),
+                                           ("bert_cpu.py:smoke", PALLAS_GPU_DROPOUT)],
+                         ids=["bert-pallas-dropout", "bert-pallas-gpu-dropout"])
 def test_sigkill_and_resume_reproduce_every_loss_bit_for_bit(config, extra, tmp_path,
                                                              monkeypatch):
   if extra:
