@@ -120,11 +120,16 @@ def test_no_rows_by_vocab_float32_array_in_the_compiled_gradient():
 
 
 # ------------------------------------------------------------------ the families
+def _init(model, batch):
+  shapes = {k: v.shape for k, v in batch.items()}
+  return jax.jit(lambda rng: model.init(rng, shapes))(jax.random.key(0))  # eager: ~20 s
+
+
 def _assert_loss_fn_unchanged_by_chunking(config, batch, chunk_rows):
   batch = jax.tree.map(jnp.asarray, batch)
   plain, chunked = (build_model(config.replace(loss_chunk_rows=0)),
                     build_model(config.replace(loss_chunk_rows=chunk_rows)))
-  params = plain.init(jax.random.key(0), {k: v.shape for k, v in batch.items()})
+  params = _init(plain, batch)
 
   def run(model):
     # 'rbg' dropout keys compile much faster than threefry on CPU
@@ -141,7 +146,6 @@ def _assert_loss_fn_unchanged_by_chunking(config, batch, chunk_rows):
   for (path, w), g in zip(flat_want, jax.tree.leaves(got_grads), strict=True):
     np.testing.assert_allclose(g, w, atol=1e-6 * max(1.0, np.abs(w).max()), rtol=1e-4,
                                err_msg=jax.tree_util.keystr(path))
-  return params
 
 
 def _lm_batch(rng, vocab, shape, encoder=False):
@@ -153,18 +157,36 @@ def _lm_batch(rng, vocab, shape, encoder=False):
   return batch
 
 
-def test_gpt2_loss_fn_with_chunks_equals_without():
-  """Tied embedding, dropout on, z-loss and label smoothing: 2 x 9 rows in chunks of 4;
-  logits() (infer, eval) still returns the full [B, T, V] logits."""
+def _gpt2_case():
   config = gpt2(1, 32, num_heads=2, d_ff=64, vocab_size=61, max_position_embeddings=16,
                 z_loss=Z_LOSS, label_smoothing=SMOOTHING)
-  batch = _lm_batch(np.random.default_rng(0), 61, (2, 9))
-  params = _assert_loss_fn_unchanged_by_chunking(config, batch, chunk_rows=4)
-  inputs = {"decoder_input_tokens": jnp.asarray(batch["decoder_input_tokens"])}
-  logits = build_model(config.replace(loss_chunk_rows=4)).logits(params, inputs)
+  return config, _lm_batch(np.random.default_rng(0), 61, (2, 9))
+
+
+def test_gpt2_loss_metrics_with_chunks_equal_without():
+  """The default tier's twin of the gradient tests below: GPT-2's eval loss and metrics
+  (the chunked primal, 2 x 9 rows in chunks of 4) equal the full-logits path's; logits()
+  (infer, eval) still returns the full [B, T, V] logits."""
+  config, batch = _gpt2_case()
+  batch = jax.tree.map(jnp.asarray, batch)
+  plain, chunked = (build_model(config.replace(loss_chunk_rows=0)),
+                    build_model(config.replace(loss_chunk_rows=4)))
+  params = _init(plain, batch)
+  _, want = jax.jit(lambda p: plain.loss_fn(p, batch, None))(params)
+  _, got = jax.jit(lambda p: chunked.loss_fn(p, batch, None))(params)
+  assert set(got) == set(want)
+  for name in want:
+    np.testing.assert_allclose(got[name], want[name], rtol=2e-6, err_msg=name)
+  inputs = {"decoder_input_tokens": batch["decoder_input_tokens"]}
+  logits = chunked.logits(params, inputs)
   assert logits.shape == (2, 9, 61)
-  np.testing.assert_array_equal(logits, build_model(config.replace(loss_chunk_rows=0)).logits(
-      params, inputs))
+  np.testing.assert_array_equal(logits, plain.logits(params, inputs))
+
+
+@pytest.mark.slow
+def test_gpt2_loss_fn_with_chunks_equals_without():
+  """Tied embedding, dropout on, z-loss and label smoothing: 2 x 9 rows in chunks of 4."""
+  _assert_loss_fn_unchanged_by_chunking(*_gpt2_case(), chunk_rows=4)
 
 
 @pytest.mark.slow
@@ -205,7 +227,7 @@ def test_sharded_chunked_loss_equals_single_device_full_logits():
   plain, chunked = (build_model(config.replace(loss_chunk_rows=0)),
                     build_model(config.replace(loss_chunk_rows=8)))
   shapes = {k: v.shape for k, v in batch.items()}
-  params = plain.init(jax.random.key(0), shapes)
+  params = _init(plain, batch)
   grad = lambda model: jax.value_and_grad(lambda p, b: model.loss_fn(p, b, None)[0])
   want_loss, want_grads = jax.jit(grad(plain))(params, batch)
 
