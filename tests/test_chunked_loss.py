@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5x_like.models import bert, build_model, gpt2, losses, t5
+from t5x_like.models import bert, build_model, chunked_loss, gpt2, losses, t5
 from t5x_like.models.chunked_loss import chunked_cross_entropy, chunked_token_metrics
 from t5x_like.models.layers import dot
 
@@ -214,6 +214,15 @@ def test_bert_loss_fn_with_chunks_equals_without():
 
 
 @pytest.mark.slow
+def test_chunks_only_where_one_devices_rows_exceed_d_model():
+  """The chunks keep a [V, D] float32 weight gradient and its scaled copy: they pay
+  only where one device has more rows than d_model."""
+  assert not chunked_loss.pays(1024, 40, 1024)  # BERT-large's masked rows on v3-128
+  assert chunked_loss.pays(1024, 32 * 1024, 768)  # GPT-2 b32 x 1024 on one GPU
+  assert not chunked_loss.pays(0, 32 * 1024, 768)  # switched off
+  assert chunked_loss.batch_shards() == 1  # no mesh: one device holds every row
+
+
 def test_sharded_chunked_loss_equals_single_device_full_logits():
   """On a data x fsdp x tensor = 2 x 2 x 2 mesh under the default rules (rows over
   data+fsdp, the tied embedding's vocab over tensor): the chunked GPT-2 loss and its
@@ -223,7 +232,8 @@ def test_sharded_chunked_loss_equals_single_device_full_logits():
   config = gpt2(1, 32, num_heads=2, d_ff=64, vocab_size=64, max_position_embeddings=16,
                 dropout_rate=0.0, attention_dropout_rate=0.0, z_loss=Z_LOSS,
                 label_smoothing=SMOOTHING)
-  batch = jax.tree.map(jnp.asarray, _lm_batch(np.random.default_rng(3), 64, (4, 8)))
+  # 16 x 16 rows over 4 batch shards: 64 rows per device, more than d_model (pays).
+  batch = jax.tree.map(jnp.asarray, _lm_batch(np.random.default_rng(3), 64, (16, 16)))
   plain, chunked = (build_model(config.replace(loss_chunk_rows=0)),
                     build_model(config.replace(loss_chunk_rows=8)))
   shapes = {k: v.shape for k, v in batch.items()}

@@ -145,6 +145,13 @@ class Model:
     """Deterministic forward; see each family for the output."""
     return self.apply(params, batch)
 
+  def _loss_chunked(self, rows: int) -> bool:
+    """Whether loss_fn takes the chunked loss for `rows` global rows (chunked_loss.pays
+    on one device's share)."""
+    cfg = self.config
+    return chunked_loss.pays(cfg.loss_chunk_rows, rows // chunked_loss.batch_shards(),
+                             cfg.d_model)
+
   def _chunked_token_metrics(self, prefix: str, params: Params, hidden: Array,
                              targets: Array, weights: Optional[Array], denominator: Array,
                              bias: Optional[Array] = None) -> dict[str, Array]:
@@ -227,12 +234,13 @@ class EncoderModel(Model):
 
     normalizers: the denominators of a larger batch this one is a microbatch of
     (`loss_normalizers`), so that microbatch losses and gradients add up exactly.
-    config.loss_chunk_rows > 0: the MLM loss from the head's hidden states by row chunks,
-    without [P, V] logits (models/chunked_loss.py).
+    config.loss_chunk_rows > 0, where it pays (chunked_loss.pays): the MLM loss from
+    the head's hidden states by row chunks, without [P, V] logits (chunked_loss.py).
     """
     cfg = self.config
     normalizers = normalizers or self.loss_normalizers(batch)
-    chunked = bool(cfg.loss_chunk_rows) and cfg.mlm_head and "mlm_targets" in batch
+    chunked = (cfg.mlm_head and "mlm_targets" in batch
+               and self._loss_chunked(int(np.prod(batch["mlm_targets"].shape))))
     out = self.apply(params, batch, dropout_rng=dropout_rng, loss_hidden=chunked)
     loss = jnp.zeros((), jnp.float32)
     metrics = {}
@@ -275,13 +283,13 @@ class _SequenceModel(Model):
     """sum(w * nll) / sum(w) over decoder_target_tokens, w = decoder_loss_weights.
 
     normalizers: denominators of the full batch when this is a microbatch of it.
-    config.loss_chunk_rows > 0: from the decoder's hidden states by row chunks, without
+    config.loss_chunk_rows > 0 (where it pays: chunked_loss.pays): from the decoder's hidden states by row chunks, without
     [B, T, V] logits (models/chunked_loss.py).
     """
     cfg = self.config
     normalizers = normalizers or self.loss_normalizers(batch)
     targets = batch["decoder_target_tokens"]
-    if cfg.loss_chunk_rows:
+    if self._loss_chunked(int(np.prod(targets.shape))):
       hidden = self.apply(params, batch, dropout_rng=dropout_rng, loss_hidden=True)
       metrics = self._chunked_token_metrics("token", params, hidden, targets,
                                             batch.get("decoder_loss_weights"),

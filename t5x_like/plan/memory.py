@@ -189,7 +189,7 @@ def logits_buffer_bytes(model, batch_shapes, batch_shards: int, tensor: int) -> 
   (the chunks split the global rows, sharded over `batch_shards` devices)."""
   cfg = model.config
   rows = model.logits_rows(cfg, batch_shapes)
-  if cfg.loss_chunk_rows and rows:
+  if rows and chunked_loss.pays(cfg.loss_chunk_rows, rows, cfg.d_model):
     rows = math.ceil(rows / chunked_loss.num_chunks(rows * batch_shards, cfg.loss_chunk_rows))
   return 2 * 4 * math.ceil(rows * cfg.vocab_size / tensor)
 
