@@ -125,11 +125,22 @@ def _init(model, batch):
   return jax.jit(lambda rng: model.init(rng, shapes))(jax.random.key(0))  # eager: ~20 s
 
 
-def _assert_loss_fn_unchanged_by_chunking(config, batch, chunk_rows):
+def _full_logits_in(model, params, batch, targets) -> bool:
+  """Whether loss_fn's jaxpr holds float32 logits of the targets' shape by the vocab
+  (the full-logits path; the chunked one has none)."""
+  shape = ",".join(map(str, (*batch[targets].shape, model.config.vocab_size)))
+  jaxpr = str(jax.make_jaxpr(lambda p: model.loss_fn(p, batch, None))(params))
+  return f"f32[{shape}]" in jaxpr
+
+
+def _assert_loss_fn_unchanged_by_chunking(config, batch, chunk_rows, targets):
   batch = jax.tree.map(jnp.asarray, batch)
   plain, chunked = (build_model(config.replace(loss_chunk_rows=0)),
                     build_model(config.replace(loss_chunk_rows=chunk_rows)))
   params = _init(plain, batch)
+  # the chunked model really chunks (more rows than d_model and than one chunk)
+  assert _full_logits_in(plain, params, batch, targets)
+  assert not _full_logits_in(chunked, params, batch, targets)
 
   def run(model):
     # 'rbg' dropout keys compile much faster than threefry on CPU
@@ -160,18 +171,20 @@ def _lm_batch(rng, vocab, shape, encoder=False):
 def _gpt2_case():
   config = gpt2(1, 32, num_heads=2, d_ff=64, vocab_size=61, max_position_embeddings=16,
                 z_loss=Z_LOSS, label_smoothing=SMOOTHING)
-  return config, _lm_batch(np.random.default_rng(0), 61, (2, 9))
+  # 4 x 9 rows: more than d_model (32), so the chunked loss runs (chunked_loss.pays)
+  return config, _lm_batch(np.random.default_rng(0), 61, (4, 9))
 
 
 def test_gpt2_loss_metrics_with_chunks_equal_without():
   """The default tier's twin of the gradient tests below: GPT-2's eval loss and metrics
-  (the chunked primal, 2 x 9 rows in chunks of 4) equal the full-logits path's; logits()
+  (the chunked primal, 4 x 9 rows in chunks of 4) equal the full-logits path's; logits()
   (infer, eval) still returns the full [B, T, V] logits."""
   config, batch = _gpt2_case()
   batch = jax.tree.map(jnp.asarray, batch)
   plain, chunked = (build_model(config.replace(loss_chunk_rows=0)),
                     build_model(config.replace(loss_chunk_rows=4)))
   params = _init(plain, batch)
+  assert not _full_logits_in(chunked, params, batch, "decoder_target_tokens")
   _, want = jax.jit(lambda p: plain.loss_fn(p, batch, None))(params)
   _, got = jax.jit(lambda p: chunked.loss_fn(p, batch, None))(params)
   assert set(got) == set(want)
@@ -179,14 +192,15 @@ def test_gpt2_loss_metrics_with_chunks_equal_without():
     np.testing.assert_allclose(got[name], want[name], rtol=2e-6, err_msg=name)
   inputs = {"decoder_input_tokens": batch["decoder_input_tokens"]}
   logits = chunked.logits(params, inputs)
-  assert logits.shape == (2, 9, 61)
+  assert logits.shape == (4, 9, 61)
   np.testing.assert_array_equal(logits, plain.logits(params, inputs))
 
 
 @pytest.mark.slow
 def test_gpt2_loss_fn_with_chunks_equals_without():
-  """Tied embedding, dropout on, z-loss and label smoothing: 2 x 9 rows in chunks of 4."""
-  _assert_loss_fn_unchanged_by_chunking(*_gpt2_case(), chunk_rows=4)
+  """Tied embedding, dropout on, z-loss and label smoothing: 4 x 9 rows in chunks of 4."""
+  _assert_loss_fn_unchanged_by_chunking(*_gpt2_case(), chunk_rows=4,
+                                        targets="decoder_target_tokens")
 
 
 @pytest.mark.slow
@@ -195,8 +209,9 @@ def test_t5_loss_fn_with_chunks_equals_without():
   (scale_decoder_output), dropout on."""
   config = t5("1.1", 32, 64, 1, 2, vocab_size=59, head_dim=16, dropout_rate=0.1,
               scale_decoder_output=True, z_loss=Z_LOSS, label_smoothing=SMOOTHING)
-  batch = _lm_batch(np.random.default_rng(1), 59, (2, 7), encoder=True)
-  _assert_loss_fn_unchanged_by_chunking(config, batch, chunk_rows=5)
+  batch = _lm_batch(np.random.default_rng(1), 59, (5, 7), encoder=True)
+  _assert_loss_fn_unchanged_by_chunking(config, batch, chunk_rows=5,
+                                        targets="decoder_target_tokens")
 
 
 @pytest.mark.slow
@@ -204,22 +219,23 @@ def test_bert_loss_fn_with_chunks_equals_without():
   """MLM at mlm_positions with weights (and its output bias), NSP beside it."""
   rng = np.random.default_rng(2)
   config = bert(1, 32, num_heads=2, vocab_size=67, z_loss=Z_LOSS, label_smoothing=SMOOTHING)
-  tokens = rng.integers(5, 67, (3, 12))
+  tokens = rng.integers(5, 67, (9, 12))  # 9 x 4 masked rows: more than d_model (32)
   batch = {"encoder_input_tokens": tokens, "encoder_type_ids": np.zeros_like(tokens),
-           "mlm_positions": rng.integers(0, 12, (3, 4)),
-           "mlm_targets": rng.integers(5, 67, (3, 4)),
-           "mlm_weights": np.array([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]], np.float32),
-           "nsp_labels": np.array([0, 1, 1])}
-  _assert_loss_fn_unchanged_by_chunking(config, batch, chunk_rows=5)
+           "mlm_positions": rng.integers(0, 12, (9, 4)),
+           "mlm_targets": rng.integers(5, 67, (9, 4)),
+           "mlm_weights": np.array([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]] * 3, np.float32),
+           "nsp_labels": np.array([0, 1, 1] * 3)}
+  _assert_loss_fn_unchanged_by_chunking(config, batch, chunk_rows=5, targets="mlm_targets")
 
 
 @pytest.mark.slow
 def test_chunks_only_where_one_devices_rows_exceed_d_model():
   """The chunks keep a [V, D] float32 weight gradient and its scaled copy: they pay
-  only where one device has more rows than d_model."""
+  only where one device has more rows than d_model and than one chunk."""
   assert not chunked_loss.pays(1024, 40, 1024)  # BERT-large's masked rows on v3-128
   assert chunked_loss.pays(1024, 32 * 1024, 768)  # GPT-2 b32 x 1024 on one GPU
   assert not chunked_loss.pays(0, 32 * 1024, 768)  # switched off
+  assert not chunked_loss.pays(1024, 912, 768)  # T5-base's 8 x 114 on v3-32: one chunk
   assert chunked_loss.batch_shards() == 1  # no mesh: one device holds every row
 
 
@@ -227,13 +243,14 @@ def test_sharded_chunked_loss_equals_single_device_full_logits():
   """On a data x fsdp x tensor = 2 x 2 x 2 mesh under the default rules (rows over
   data+fsdp, the tied embedding's vocab over tensor): the chunked GPT-2 loss and its
   gradients equal the unsharded loss on full logits, and each device's chunk of logits
-  is [8 rows / 4, 64 vocab / 2]."""
+  is [8 rows, 80 vocab / 2] (loss_chunk_rows counts rows per device)."""
   from t5x_like import parallel
-  config = gpt2(1, 32, num_heads=2, d_ff=64, vocab_size=64, max_position_embeddings=16,
+  config = gpt2(1, 32, num_heads=2, d_ff=64, vocab_size=80, max_position_embeddings=16,
                 dropout_rate=0.0, attention_dropout_rate=0.0, z_loss=Z_LOSS,
                 label_smoothing=SMOOTHING)
-  # 16 x 16 rows over 4 batch shards: 64 rows per device, more than d_model (pays).
-  batch = jax.tree.map(jnp.asarray, _lm_batch(np.random.default_rng(3), 64, (16, 16)))
+  # 16 x 12 rows over 4 batch shards: 48 rows per device, more than d_model and than
+  # one chunk of 8 (pays).
+  batch = jax.tree.map(jnp.asarray, _lm_batch(np.random.default_rng(3), 80, (16, 12)))
   plain, chunked = (build_model(config.replace(loss_chunk_rows=0)),
                     build_model(config.replace(loss_chunk_rows=8)))
   shapes = {k: v.shape for k, v in batch.items()}
@@ -252,4 +269,7 @@ def test_sharded_chunked_loss_equals_single_device_full_logits():
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
   for w, g in zip(jax.tree.leaves(want_grads), jax.tree.leaves(got_grads), strict=True):
     np.testing.assert_allclose(g, w, atol=1e-6 * max(1.0, np.abs(w).max()), rtol=1e-4)
-  assert _f32_shapes(hlo, 2, 32) and not _f32_shapes(hlo, 8, 64)
+  # a device's chunk: 8 rows (per device) by its 40 of the 80 words; never its 48 rows
+  # or the whole batch's [192, 80]
+  assert _f32_shapes(hlo, 8, 40)
+  assert not _f32_shapes(hlo, 48, 40) and not _f32_shapes(hlo, 192, 80)

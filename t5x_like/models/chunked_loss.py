@@ -48,14 +48,17 @@ Array = jax.Array
 
 
 def pays(chunk_rows: int, device_rows: int, d_model: int) -> bool:
-  """Whether the chunked loss saves memory for `device_rows` rows on one device.
+  """Whether the chunked loss, `chunk_rows` rows per device and chunk, saves memory for
+  `device_rows` rows on one device.
 
   It drops the float32 [rows, V] logits and their gradient (about 8 bytes per row and
   word) but keeps the output weights' float32 gradient [V, D] from the forward, and
   the backward scales it into a second one (8 bytes per d_model and word). Below
-  D rows per device the chunks cost more than they save: BERT-large's 40 masked rows
-  per device on v3-128 compiled 1.9% larger with chunks (docs/benchmarks.md)."""
-  return chunk_rows > 0 and device_rows > d_model
+  D rows per device the chunks cost more than they save (BERT-large's 40 masked rows
+  per device on v3-128 compiled 1.9% larger with chunks), and one chunk holds the
+  whole [rows, V] anyway (configs/gpt_cpu.py in one chunk: 673 MiB of temporaries
+  against 545 on full logits)."""
+  return chunk_rows > 0 and device_rows > max(d_model, chunk_rows)
 
 
 def batch_shards() -> int:

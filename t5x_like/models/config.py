@@ -63,11 +63,12 @@ class ModelConfig:
   remat_policy: str = "none"
   z_loss: float = 0.0
   label_smoothing: float = 0.0
-  # The LM / MLM loss from the final hidden states in chunks of this many rows (of the
-  # whole traced batch, before sharding), never holding [rows, vocab] float32 logits
-  # (models/chunked_loss.py); 0: the loss on the model's full logits. 1024: configs/
-  # gpt_cpu.py's train step on a 2-core Xeon takes 263 MiB of temporaries instead of
-  # 545 and 15% less time than with 0 (2048: 360 MiB, 9% less).
+  # The LM / MLM loss from the final hidden states in chunks of this many rows per
+  # device, never holding [rows, vocab] float32 logits (models/chunked_loss.py), where
+  # that pays (chunked_loss.pays); 0: the loss on the model's full logits. Per device,
+  # so that a pod's chunks stay as large as one GPU's (each chunk reads the output
+  # weights once). 1024: configs/gpt_cpu.py's train step on a 2-core Xeon takes 263 MiB
+  # of temporaries instead of 545 and 15% less time than with 0 (2048: 360 MiB, 9% less).
   loss_chunk_rows: int = 1024
 
   def __post_init__(self):

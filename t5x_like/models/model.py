@@ -156,13 +156,14 @@ class Model:
                              targets: Array, weights: Optional[Array], denominator: Array,
                              bias: Optional[Array] = None) -> dict[str, Array]:
     """losses.token_metrics of the output layer on `hidden` [..., D] (the modules'
-    loss_hidden output), by config.loss_chunk_rows rows (models/chunked_loss.py)."""
+    loss_hidden output), by config.loss_chunk_rows rows per device (chunked_loss.py)."""
     cfg = self.config
     kernel, vocab_axis = output_layer(cfg, params)
     flat = lambda x: None if x is None else jnp.reshape(x, (-1,))
     return chunked_loss.chunked_token_metrics(
         prefix, hidden.reshape(-1, hidden.shape[-1]), kernel, flat(targets), flat(weights),
-        denominator, bias, vocab_axis=vocab_axis, chunk_rows=cfg.loss_chunk_rows,
+        denominator, bias, vocab_axis=vocab_axis,
+        chunk_rows=cfg.loss_chunk_rows * chunked_loss.batch_shards(),
         z_loss=cfg.z_loss, label_smoothing=cfg.label_smoothing, dtype=compute_dtype(cfg))
 
 

@@ -25,9 +25,10 @@ Temporaries, at the higher of two peaks:
                 (models/chunked_loss.py) nothing [rows, vocab] is saved: the forward
                 keeps the float32 gradient of the output weights, counted here twice
                 (it and its copy scaled in the backward), and of the hidden states,
-                counted as an activation; the two buffers are one chunk's rows on the
-                device: rows / ceil(global rows / loss_chunk_rows). BERT-base phase 2
-                on v5e-16: the compiler's total fell 7.16 -> 7.00 GB with chunks
+                counted as an activation; the two buffers are one chunk's rows
+                (loss_chunk_rows per device, split evenly: chunked_loss.chunk_size),
+                where chunks pay (chunked_loss.pays: more rows per device than d_model
+                and than one chunk)
   gathered      with FSDP: float32 weights all-gathered over 'fsdp' for the matmuls,
                 every layer's when layers are unrolled (XLA may gather them all up
                 front), two layers' worth with scan_layers (the loop gathers its layer)
@@ -183,14 +184,14 @@ def _residual_bytes(cfg, batch_shapes, tensor: int) -> tuple[int, int, int]:
   return acts, logits, largest
 
 
-def logits_buffer_bytes(model, batch_shapes, batch_shards: int, tensor: int) -> int:
+def logits_buffer_bytes(model, batch_shapes, tensor: int) -> int:
   """Two float32 [rows, vocab / tensor] buffers of a per-device (micro)batch of
-  `batch_shapes`: all its logits rows, or with config.loss_chunk_rows one chunk's rows
-  (the chunks split the global rows, sharded over `batch_shards` devices)."""
+  `batch_shapes`: all its logits rows, or one chunk's rows where the chunked loss runs
+  (config.loss_chunk_rows rows per device; chunked_loss.pays)."""
   cfg = model.config
   rows = model.logits_rows(cfg, batch_shapes)
   if rows and chunked_loss.pays(cfg.loss_chunk_rows, rows, cfg.d_model):
-    rows = math.ceil(rows / chunked_loss.num_chunks(rows * batch_shards, cfg.loss_chunk_rows))
+    rows = chunked_loss.chunk_size(rows, cfg.loss_chunk_rows)
   return 2 * 4 * math.ceil(rows * cfg.vocab_size / tensor)
 
 
@@ -301,7 +302,7 @@ def estimate_memory(model, optimizer, mesh, param_shardings: Any, abstract_param
       batch=sum(4 * math.prod(s) for s in device_batch.values()),
       grads=params * (2 if microbatches > 1 else 1),
       activations=acts["activations"], backward=acts["backward"],
-      logits=acts["logits"] + logits_buffer_bytes(model, micro, batch_shards, tensor),
+      logits=acts["logits"] + logits_buffer_bytes(model, micro, tensor),
       gathered=gathered_weight_bytes(abstract_params, param_shardings, mesh_shape, fraction),
       cast_weights=cast_weight_bytes(model, abstract_params, param_shardings, mesh_shape,
                                      platform),
