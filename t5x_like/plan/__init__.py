@@ -2,7 +2,8 @@
 
 Parameter counts and shardings, FLOPs per step, per-device memory, step time and
 wall-clock at an assumed MFU, per training phase; XLA's analyses of the compiled step
-beside the estimates where the devices exist.
+beside the estimates where the devices exist, and then a roofline bound on the step
+time from the compiled program (roofline.py).
 """
 
 from t5x_like.plan.report import make_plan
