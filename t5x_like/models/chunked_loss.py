@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from t5x_like.models.layers import constrain
+from t5x_like.models.layers import compute_dtype, constrain
 
 Array = jax.Array
 
@@ -71,6 +71,26 @@ def batch_shards() -> int:
   axes = nn.logical_to_mesh_axes(("batch",))[0]
   axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
   return math.prod(mesh.shape[a] for a in axes)
+
+
+def runs(cfg, rows: int) -> bool:
+  """Whether a model of ModelConfig `cfg` takes the chunked loss for `rows` rows of the
+  traced (global) batch: pays() on one device's share."""
+  return pays(cfg.loss_chunk_rows, rows // batch_shards(), cfg.d_model)
+
+
+def model_token_metrics(cfg, prefix: str, kernel: Array, vocab_axis: int, hidden: Array,
+                        targets: Array, weights: Optional[Array], denominator: Array,
+                        bias: Optional[Array] = None) -> dict[str, Array]:
+  """losses.token_metrics of a model's output layer (kernel, vocab_axis:
+  families.output_layer) on `hidden` [..., D] (the modules' loss_hidden output) with
+  targets and weights [...], by cfg.loss_chunk_rows rows per device."""
+  flat = lambda x: None if x is None else jnp.reshape(x, (-1,))
+  return chunked_token_metrics(
+      prefix, hidden.reshape(-1, hidden.shape[-1]), kernel, flat(targets), flat(weights),
+      denominator, bias, vocab_axis=vocab_axis,
+      chunk_rows=cfg.loss_chunk_rows * batch_shards(), z_loss=cfg.z_loss,
+      label_smoothing=cfg.label_smoothing, dtype=compute_dtype(cfg))
 
 
 def num_chunks(rows: int, chunk_rows: int) -> int:

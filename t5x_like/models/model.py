@@ -30,7 +30,6 @@ from t5x_like.models import chunked_loss, cost, losses, steppers
 from t5x_like.models.config import FAMILIES, ModelConfig
 from t5x_like.models.families import (DecoderModule, EncoderDecoderModule, EncoderModule,
                                       output_layer)
-from t5x_like.models.layers import compute_dtype
 
 Array = jax.Array
 Params = Any
@@ -145,26 +144,13 @@ class Model:
     """Deterministic forward; see each family for the output."""
     return self.apply(params, batch)
 
-  def _loss_chunked(self, rows: int) -> bool:
-    """Whether loss_fn takes the chunked loss for `rows` global rows (chunked_loss.pays
-    on one device's share)."""
-    cfg = self.config
-    return chunked_loss.pays(cfg.loss_chunk_rows, rows // chunked_loss.batch_shards(),
-                             cfg.d_model)
-
   def _chunked_token_metrics(self, prefix: str, params: Params, hidden: Array,
                              targets: Array, weights: Optional[Array], denominator: Array,
                              bias: Optional[Array] = None) -> dict[str, Array]:
-    """losses.token_metrics of the output layer on `hidden` [..., D] (the modules'
-    loss_hidden output), by config.loss_chunk_rows rows per device (chunked_loss.py)."""
-    cfg = self.config
-    kernel, vocab_axis = output_layer(cfg, params)
-    flat = lambda x: None if x is None else jnp.reshape(x, (-1,))
-    return chunked_loss.chunked_token_metrics(
-        prefix, hidden.reshape(-1, hidden.shape[-1]), kernel, flat(targets), flat(weights),
-        denominator, bias, vocab_axis=vocab_axis,
-        chunk_rows=cfg.loss_chunk_rows * chunked_loss.batch_shards(),
-        z_loss=cfg.z_loss, label_smoothing=cfg.label_smoothing, dtype=compute_dtype(cfg))
+    """chunked_loss.model_token_metrics of this model's output layer on `hidden`."""
+    return chunked_loss.model_token_metrics(
+        self.config, prefix, *output_layer(self.config, params), hidden, targets, weights,
+        denominator, bias)
 
 
 class EncoderModel(Model):
@@ -241,7 +227,7 @@ class EncoderModel(Model):
     cfg = self.config
     normalizers = normalizers or self.loss_normalizers(batch)
     chunked = (cfg.mlm_head and "mlm_targets" in batch
-               and self._loss_chunked(int(np.prod(batch["mlm_targets"].shape))))
+               and chunked_loss.runs(cfg, int(np.prod(batch["mlm_targets"].shape))))
     out = self.apply(params, batch, dropout_rng=dropout_rng, loss_hidden=chunked)
     loss = jnp.zeros((), jnp.float32)
     metrics = {}
@@ -284,13 +270,13 @@ class _SequenceModel(Model):
     """sum(w * nll) / sum(w) over decoder_target_tokens, w = decoder_loss_weights.
 
     normalizers: denominators of the full batch when this is a microbatch of it.
-    config.loss_chunk_rows > 0 (where it pays: chunked_loss.pays): from the decoder's hidden states by row chunks, without
-    [B, T, V] logits (models/chunked_loss.py).
+    config.loss_chunk_rows > 0, where it pays (chunked_loss.pays): from the decoder's
+    hidden states by row chunks, without [B, T, V] logits (models/chunked_loss.py).
     """
     cfg = self.config
     normalizers = normalizers or self.loss_normalizers(batch)
     targets = batch["decoder_target_tokens"]
-    if self._loss_chunked(int(np.prod(targets.shape))):
+    if chunked_loss.runs(cfg, int(np.prod(targets.shape))):
       hidden = self.apply(params, batch, dropout_rng=dropout_rng, loss_hidden=True)
       metrics = self._chunked_token_metrics("token", params, hidden, targets,
                                             batch.get("decoder_loss_weights"),

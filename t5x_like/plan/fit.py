@@ -75,6 +75,21 @@ def row_step(batch_shards: int, microbatches: int) -> int:
   return microbatches // math.gcd(microbatches, batch_shards)
 
 
+def compiled_total_bytes(model, optimizer, schedule, mesh, rules, batch_shapes,
+                         microbatches: int = 1) -> int:
+  """The compiled train step's total bytes per device (memory_analysis); OverMemory when
+  the compiler refuses it for HBM (libtpu does at compile time)."""
+  try:
+    xla = compiled_lib.compile_train_step(model, optimizer, schedule, mesh, rules,
+                                          batch_shapes, microbatches, eval_step=False)
+  except Exception as e:
+    refused = over_memory(e)
+    if refused is None:
+      raise
+    raise refused from e
+  return int(xla["memory"]["total_bytes"])
+
+
 def train_step_compiler(phase, model, optimizer, schedule, mesh, rules, vocab) -> CompileRows:
   """rows -> the compiled train step's total bytes per device (memory_analysis) for a
   global batch of rows x (data x fsdp) of phase's objective on `mesh`; OverMemory when
@@ -85,16 +100,8 @@ def train_step_compiler(phase, model, optimizer, schedule, mesh, rules, vocab) -
   def compile_rows(rows: int) -> int:
     config = ml_collections.ConfigDict(phase.config.to_dict())
     config.train.batch_size = rows * shards
-    shapes = batch_shapes_for(config, vocab)
-    try:
-      xla = compiled_lib.compile_train_step(model, optimizer, schedule, mesh, rules, shapes,
-                                            microbatches, eval_step=False)
-    except Exception as e:
-      refused = over_memory(e)
-      if refused is None:
-        raise
-      raise refused from e
-    return int(xla["memory"]["total_bytes"])
+    return compiled_total_bytes(model, optimizer, schedule, mesh, rules,
+                                batch_shapes_for(config, vocab), microbatches)
 
   return compile_rows
 

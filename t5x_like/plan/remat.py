@@ -26,8 +26,7 @@ import math
 from typing import Callable, Optional
 
 from t5x_like.models import build_model
-from t5x_like.plan import compiled as compiled_lib
-from t5x_like.plan.fit import OverMemory, over_memory
+from t5x_like.plan.fit import OverMemory, compiled_total_bytes
 
 AUTO = "auto"
 # Least recomputation first: the order the candidates are compiled in.
@@ -142,15 +141,8 @@ def compiled_totals(model, optimizer, schedule, mesh, rules, batch_shapes,
   rebuild(model, policy) on `mesh`; fit.OverMemory when the compiler refuses it."""
 
   def total_of(policy: str) -> int:
-    try:
-      xla = compiled_lib.compile_train_step(rebuild(model, policy), optimizer, schedule,
-                                            mesh, rules, batch_shapes, microbatches)
-    except Exception as e:  # libtpu refuses a program over HBM at compile time
-      refused = over_memory(e)
-      if refused is None:
-        raise
-      raise refused from e
-    return int(xla["memory"]["total_bytes"])
+    return compiled_total_bytes(rebuild(model, policy), optimizer, schedule, mesh, rules,
+                                batch_shapes, microbatches)
 
   return total_of
 
