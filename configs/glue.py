@@ -7,12 +7,12 @@
       --init workdir/bert_base                    # every task in turn, then the GLUE score
 
 Tasks: cola sst2 mrpc qqp stsb mnli qnli rte wnli; family=t5 for T5 text to text
-(t5x_like/finetune/benchmark_configs.py has the other arguments and the recipes).
+(t5x_like/benchmarks/configs.py has the other arguments and the recipes).
 """
 
 import os
 
-from t5x_like.finetune.benchmark_configs import benchmark_config
+from t5x_like.benchmarks.configs import benchmark_config
 
 
 def get_config(arg: str = "cola"):

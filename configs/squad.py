@@ -7,12 +7,12 @@ evaluation script's input.
       --config.init.checkpoint=workdir/bert_base
 
 Tasks: v1.1, v2.0 (no-answer questions: the [CLS] span for BERT, an empty answer for
-T5); family=t5 for T5 (t5x_like/finetune/benchmark_configs.py has the arguments).
+T5); family=t5 for T5 (t5x_like/benchmarks/configs.py has the arguments).
 """
 
 import os
 
-from t5x_like.finetune.benchmark_configs import benchmark_config
+from t5x_like.benchmarks.configs import benchmark_config
 
 
 def get_config(arg: str = "v1.1"):

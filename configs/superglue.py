@@ -6,12 +6,12 @@
 
 Tasks: boolq cb copa rte wic (COPA as a pair classification: which choice is the
 premise's cause or effect); family=t5 for T5 text to text. MultiRC, ReCoRD and WSC need
-task types not written yet (t5x_like/finetune/benchmark_configs.py has the arguments).
+task types not written yet (t5x_like/benchmarks/configs.py has the arguments).
 """
 
 import os
 
-from t5x_like.finetune.benchmark_configs import benchmark_config
+from t5x_like.benchmarks.configs import benchmark_config
 
 
 def get_config(arg: str = "boolq"):

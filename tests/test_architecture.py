@@ -1,7 +1,8 @@
 """The package's shape, read from its source: the import graph (every import, deferred
 ones inside functions included) has no cycle, only the train command imports the
 trainer, the lower layers (models/, data/, parallel/, checkpoint/, experiment,
-command_flags, fs, errors) import nothing above them, and no module grows past ~400 lines."""
+command_flags, fs, errors) import nothing above them, fine-tuning and the benchmarks never
+import the studies, and no module grows past ~400 lines."""
 
 import ast
 import os
@@ -118,6 +119,21 @@ def test_lower_layers_import_nothing_above_them(layer, allowed):
                   if m == layer or m.startswith(layer + ".") for i in imports
                   if not any(i == a or i.startswith(a + ".") for a in allowed)})
   assert above == []
+
+
+@pytest.mark.parametrize("room", ["t5x_like.finetune", "t5x_like.benchmarks"])
+def test_fine_tuning_and_benchmarks_never_import_the_studies(room):
+  """Three rooms: studies may import fine-tuning and benchmarks, never the reverse."""
+  wrong = sorted((m, i) for m, imports in GRAPH.items()
+                 if m == room or m.startswith(room + ".") for i in imports
+                 if i == "t5x_like.studies" or i.startswith("t5x_like.studies."))
+  assert wrong == []
+
+
+def test_the_rooms_check_sees_a_study_import():
+  """The check above is not vacuous: a study imports both rooms."""
+  study = GRAPH["t5x_like.studies.text_task_experiment"]
+  assert any(i.startswith("t5x_like.finetune.") for i in study)
 
 
 def test_no_module_over_the_size_limit():

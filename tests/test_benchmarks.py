@@ -1,4 +1,4 @@
-"""GLUE, SuperGLUE and SQuAD from TFDS (t5x_like/finetune/benchmarks.py, tfds_data.py,
+"""GLUE, SuperGLUE and SQuAD from TFDS (t5x_like/benchmarks/registry.py, tfds_data.py,
 submission.py; configs/glue.py, superglue.py, squad.py; `t5x-like finetune-suite`).
 
 Datasets are built here in array_record with the real datasets' features
@@ -22,7 +22,7 @@ from sklearn import metrics as sk
 
 from helpers import ROOT, cli_command, load_config, run_child
 from tfds_fixtures import build_benchmark, example
-from t5x_like.finetune.benchmarks import BENCHMARKS, SUITES, benchmark
+from t5x_like.benchmarks.registry import BENCHMARKS, SUITES, benchmark
 
 SIZES = {"train": 24, "validation": 8, "test": 8}
 MNLI_SIZES = {"train": 24, "validation_matched": 8, "validation_mismatched": 8,

@@ -1,5 +1,5 @@
-"""The text-task builders (t5x_like/finetune/text_tasks.py), the bag-of-pieces baseline
-(finetune/bag_of_pieces.py) and task.test_file.
+"""The text-task builders (t5x_like/studies/text_tasks.py), the bag-of-pieces baseline
+(studies/bag_of_pieces.py) and task.test_file.
 
 The builders' properties are checked against the source text itself: every
 "unacceptable" sentence is its "acceptable" twin with two neighbouring words swapped or
@@ -21,7 +21,7 @@ import pytest
 
 from t5x_like import cli
 from t5x_like.data.sentences import split_sentences
-from t5x_like.finetune import text_tasks
+from t5x_like.studies import text_tasks
 from helpers import ROOT
 
 BOOKS = ("carroll_alices_adventures_in_wonderland", "shelley_frankenstein",
@@ -185,7 +185,7 @@ def test_bag_of_pieces_equals_sklearn(tmp_path):
   """The fitted weights are sklearn's multinomial logistic regression's on the same
   features (sklearn: C * sum of the losses + |W|^2 / 2, so C = 1 / (l2 * n))."""
   from sklearn.linear_model import LogisticRegression
-  from t5x_like.finetune import bag_of_pieces
+  from t5x_like.studies import bag_of_pieces
   from t5x_like.finetune.data import read_examples
   from t5x_like.finetune.tasks import task_from_config
   from t5x_like.command_flags import load_config_file
@@ -275,7 +275,7 @@ def test_experiment_driver_end_to_end_and_resumes(tmp_path, capsys):
   baseline and the tables for BERT and T5; a second call runs nothing again; a
   pretraining corpus holding a task book is refused."""
   from t5x_like.errors import UserError
-  from t5x_like.finetune import text_task_experiment as experiment
+  from t5x_like.studies import text_task_experiment as experiment
   workdir = str(tmp_path / "exp")
   tasks = "embedded:carroll_alices_adventures_in_wonderland,wells_the_time_machine"
   args = ["--workdir", workdir, "--smoke", "--pretrain",
@@ -318,7 +318,7 @@ def test_experiment_driver_end_to_end_and_resumes(tmp_path, capsys):
 
 def test_experiment_step_budget():
   """20 epochs of 32 within 100-300 steps; 5 epochs (at most 1,000) once those pass 300."""
-  from t5x_like.finetune.text_task_experiment import steps_for
+  from t5x_like.studies.text_task_experiment import steps_for
   budgets = {32: 100, 128: 100, 200: 125, 512: 300, 768: 300, 1476: 300, 1920: 300,
              3000: 469, 6454: 1000, 100_000: 1000}
   assert {n: steps_for(n) for n in budgets} == budgets
@@ -335,7 +335,7 @@ def test_experiment_step_budget():
 ])
 def test_experiment_flag_errors(tmp_path, flags, message):
   from t5x_like.command_flags import FlagError
-  from t5x_like.finetune import text_task_experiment as experiment
+  from t5x_like.studies import text_task_experiment as experiment
   with pytest.raises(FlagError, match=re.escape(message)):
     experiment.main(["--workdir", str(tmp_path / "w"), *flags])
   assert not os.path.exists(tmp_path / "w")

@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
 
 
 def _suite(fv: flags.FlagValues, argv: list[str]) -> int:
-  from t5x_like.finetune.benchmarks import SUITES, benchmark
+  from t5x_like.benchmarks.registry import SUITES, benchmark
   from t5x_like.finetune.metrics import glue_score
   if not fv.config.benchmark.name:
     raise FlagError(f"--config {fv['config'].config_filename}: config.benchmark.name is"

@@ -1,5 +1,6 @@
 """Fine-tuning: task data, tokenizers (sentencepiece and BERT WordPiece), task types,
-the FinetuneModel (model contract: the train step trains it), metrics.
+the FinetuneModel (model contract: the train step trains it), metrics, the runner. The
+benchmarks it runs are t5x_like/benchmarks/; experiments on top, t5x_like/studies/.
 
   task       the Task interface: parse a row, encode it, head, loss, metrics
   tasks/     the task types, one file each, and their registry (TASKS, make_task)

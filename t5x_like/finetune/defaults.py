@@ -40,7 +40,7 @@ def default_finetune_config() -> ml_collections.ConfigDict:
   c.task.test_file = ""  # optional: scored once at the end (test_* in final_metrics.json)
   c.task.update(task_options())
 
-  # Or a benchmark task read from TFDS (t5x_like/finetune/benchmarks.py): it sets the
+  # Or a benchmark task read from TFDS (t5x_like/benchmarks/registry.py): it sets the
   # task type and columns; task.train_file / dev_file are then unused.
   c.benchmark = ml_collections.ConfigDict()
   c.benchmark.name = ""  # e.g. "glue/cola", "super_glue/cb", "squad/v1.1"

@@ -32,7 +32,7 @@ from t5x_like.finetune.evaluate import Predictor, dev_metrics, prediction_rows
 from t5x_like.finetune.layer_decay import layer_depths, scale_by_layer
 from t5x_like.finetune.model import FinetuneModel, finetunes_text_to_text
 from t5x_like.finetune.splits import load_splits, run_task
-from t5x_like.finetune.submission import benchmark_outputs
+from t5x_like.benchmarks.outputs import benchmark_outputs
 from t5x_like.models import model_class
 from t5x_like.plan.remat import resolve_remat
 from t5x_like.train.optimizers import make_optimizer

@@ -6,7 +6,7 @@
 
 Files (config.task.train_file / dev_file, CSV or JSONL): one dev split, "dev", and with
 config.task.test_file one test split, "test", scored once at the end. A
-benchmark (config.benchmark.name, e.g. "glue/mnli"; finetune/benchmarks.py) reads its
+benchmark (config.benchmark.name, e.g. "glue/mnli"; benchmarks/registry.py) reads its
 TFDS splits: train, every dev split (MNLI: matched and mismatched; the first is
 evaluated during training), and with config.benchmark.predict_test its test splits,
 predicted for the submission files (GLUE's and SuperGLUE's have no labels; one that
@@ -20,7 +20,7 @@ from typing import Optional
 
 import ml_collections
 
-from t5x_like.finetune.benchmarks import Benchmark, benchmark
+from t5x_like.benchmarks.registry import Benchmark, benchmark
 from t5x_like.finetune.data import Dataset, read_examples
 from t5x_like.finetune.task import Task
 from t5x_like.finetune.tasks import task_from_config
@@ -40,7 +40,7 @@ class Splits:
 
 def run_task(config, text_to_text: bool) -> Task:
   """config.task's Task; for a benchmark, the benchmark's task type and columns (the
-  rows of finetune/benchmarks.py) with config.task's other options."""
+  rows of benchmarks/registry.py) with config.task's other options."""
   if not config.benchmark.name:
     return task_from_config(config.task)
   bench = benchmark(config.benchmark.name)
@@ -61,7 +61,7 @@ def load_splits(config, task: Task, text_to_text: bool) -> Splits:
     test = ({"test": read_examples(config.task.test_file, task, labels=train.labels)}
             if config.task.test_file else {})
     return Splits(train, dev, test)
-  from t5x_like.finetune.tfds_data import benchmark_data_dir, read_benchmark_split
+  from t5x_like.benchmarks.tfds_source import benchmark_data_dir, read_benchmark_split
   bc = config.benchmark
   bench = benchmark(bc.name)
   read = dict(task=task, text_to_text=text_to_text, data_dir=benchmark_data_dir(bc.data_dir))

@@ -1,5 +1,5 @@
 """A benchmark run's outputs: the official metrics of every dev split and the
-submission files of its test splits (finetune/benchmarks.py says their formats).
+submission files of its test splits (benchmarks/registry.py says their formats).
 
   final.update(benchmark_outputs(splits, model, workdir, dev_rows=rows, predict=fn))
 
@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from t5x_like import fs
-from t5x_like.finetune.benchmarks import write_submission
+from t5x_like.benchmarks.registry import write_submission
 from t5x_like.finetune.data import Dataset
 from t5x_like.finetune.splits import Splits
 

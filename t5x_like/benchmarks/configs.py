@@ -22,7 +22,7 @@ import os
 
 import ml_collections
 
-from t5x_like.finetune.benchmarks import SUITES, benchmark
+from t5x_like.benchmarks.registry import SUITES, benchmark
 from t5x_like.finetune.defaults import default_finetune_config
 from t5x_like.train.defaults import parse_arg
 

@@ -17,7 +17,7 @@ import json
 import os
 from typing import Optional, Sequence
 
-from t5x_like.finetune.benchmarks import Benchmark, BenchmarkError, benchmark
+from t5x_like.benchmarks.registry import Benchmark, BenchmarkError, benchmark
 from t5x_like.finetune.data import Dataset, dataset_from_rows
 from t5x_like.finetune.task import BadRow, Task
 

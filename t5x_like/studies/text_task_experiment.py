@@ -1,7 +1,7 @@
 """The text-task experiment: pretrained against random initialisation against a bag of
 pieces, on tasks from books that pretraining never saw, at several label counts.
 
-  python -m t5x_like.finetune.text_task_experiment --workdir workdir/text_tasks \\
+  python -m t5x_like.studies.text_task_experiment --workdir workdir/text_tasks \\
       --pretrain large='text:more_books/*.txt' --pretrain small=embedded:austen_...
 
 Every stage skips what an earlier call finished, so a call resumes an interrupted one
@@ -22,7 +22,7 @@ and a second call with more arms, seeds or families adds only the missing runs:
   finetune  every label count x seed at the picked rate (configs/text_tasks.py, with
             --set's settings; the step budget of steps_for), in
             WORKDIR/runs/FAMILY/ARM/KIND/N_sS_lrLR_stepsK[_VARIANT]
-  baseline  the bag-of-pieces logistic regression (finetune/bag_of_pieces.py) on
+  baseline  the bag-of-pieces logistic regression (studies/bag_of_pieces.py) on
             every task folder
   tables    WORKDIR/results.jsonl (one row per run) and WORKDIR/tables.md: test
             accuracy, mean and range over the seeds, per family, kind and label count
@@ -90,7 +90,7 @@ def write_corpus(name: str, specs: list[str], task_spec: str, workdir: str) -> s
   """WORKDIR/corpus/NAME/*.txt: the documents of every spec, unwrapped, each file named
   after its document (its file or book name); returns the glob."""
   from t5x_like.data.sources import source_from_spec
-  from t5x_like.finetune.books import unwrap
+  from t5x_like.studies.books import unwrap
   folder = os.path.join(workdir, "corpus", name)
   pattern = os.path.join(folder, "*.txt")
   if os.path.exists(os.path.join(folder, "DONE")):
@@ -133,7 +133,7 @@ def pretrain(family: str, name: str, corpus_glob: str, workdir: str, smoke: bool
 def build_task(kind: str, count: int, seed: int, task_spec: str, workdir: str) -> str:
   folder = os.path.join(workdir, "tasks", kind, f"{count_name(count)}_s{seed}")
   if not os.path.exists(os.path.join(folder, "stats.json")):
-    from t5x_like.finetune.text_tasks import build_text_task
+    from t5x_like.studies.text_tasks import build_text_task
     build_text_task(kind, task_spec, folder, per_class=count, seed=seed)
   return folder
 
@@ -174,7 +174,7 @@ def baseline(family: str, task_dir: str, workdir: str) -> dict:
   if not os.path.exists(out):
     from t5x_like.command_flags import load_config_file
     from t5x_like.finetune.backbone import load_backbone
-    from t5x_like.finetune.bag_of_pieces import bag_of_pieces
+    from t5x_like.studies.bag_of_pieces import bag_of_pieces
     from t5x_like.finetune.splits import load_splits
     from t5x_like.finetune.tasks import task_from_config
     kind = os.path.basename(os.path.dirname(task_dir))
@@ -225,7 +225,7 @@ def tables(rows: list[dict], arms: list[str]) -> str:
   return "\n".join(out) + "\n"
 
 
-PROG = "python -m t5x_like.finetune.text_task_experiment"
+PROG = "python -m t5x_like.studies.text_task_experiment"
 
 
 def _flags(argv: list[str]) -> flags.FlagValues:

@@ -1,0 +1,11 @@
+"""Benchmarks: the suites people report (GLUE, SuperGLUE, SQuAD), where their examples
+come from, their official metrics and their submission files. Fine-tuning itself (the
+runner, heads, task types) is t5x_like/finetune/; this package says *what* is fine-tuned
+and how it is scored.
+
+  registry     one Benchmark per task: input templates (BERT pairs, T5 text to text),
+               official metrics, dev and test splits, submission format; SUITES
+  configs      the fine-tuning configs of configs/glue.py, superglue.py, squad.py
+  tfds_source  a benchmark's splits from a TFDS array_record build
+  outputs      a run's official metrics and submission files
+"""
