@@ -47,7 +47,9 @@ class Benchmark:
   metrics: the official ones, keyed by dev split when there are several (MNLI).
   submission: {test split: file name}; submission_format: glue_tsv | superglue_jsonl |
   squad_json (the dev split's predictions: SQuAD has no public test split).
-  label_format: how a GLUE / SuperGLUE file writes a class: index | name | bool."""
+  label_format: how a GLUE / SuperGLUE file writes a class: index | name | bool.
+  folder: the task's directory in the distribution's own download (GLUE's download
+  script, SuperGLUE's zips: CoLA, SST-2, BoolQ ...; benchmarks/files_source.py)."""
 
   suite: str
   name: str
@@ -61,6 +63,7 @@ class Benchmark:
   submission_format: str = "glue_tsv"
   label_format: str = "index"
   positive_label: int = 1  # F1's positive class (MRPC, QQP)
+  folder: str = ""
 
   @property
   def tfds_name(self) -> str:
@@ -158,7 +161,10 @@ class Benchmark:
 
   # ---------------------------------------------------------------- submissions
   def submission_lines(self, rows: list[dict], ids: list, label_names: Sequence[str]) -> str:
-    """The file's text for one split's prediction rows (ids: the examples' idx / id)."""
+    """The file's text for one split's prediction rows (ids: the examples' idx / id), in
+    index order as GLUE's and SuperGLUE's own files are (TFDS stores them shuffled)."""
+    order = sorted(range(len(rows)), key=lambda k: ids[k])
+    rows, ids = [rows[k] for k in order], [ids[k] for k in order]
     if self.submission_format == "squad_json":
       return json.dumps({str(i): row["prediction"] or "" for i, row in zip(ids, rows)},
                         indent=1) + "\n"
@@ -211,13 +217,14 @@ def _glue(name, kind, text, t5_input, text_pair="", metrics=("accuracy",), file=
   files = (file,) if len(tests) == 1 else (f"{file}-m.tsv", f"{file}-mm.tsv")
   files = tuple(f if f.endswith(".tsv") else f + ".tsv" for f in files)
   return Benchmark("glue", name, kind, text, t5_input, text_pair, metrics, dev_splits,
-                   tuple(zip(tests, files)), "glue_tsv", label_format)
+                   tuple(zip(tests, files)), "glue_tsv", label_format, folder=file)
 
 
 def _superglue(name, text, t5_input, text_pair="", metrics=("accuracy",), file="",
                label_format="name"):
   return Benchmark("super_glue", name, "classification", text, t5_input, text_pair, metrics,
-                   ("validation",), (("test", file),), "superglue_jsonl", label_format)
+                   ("validation",), (("test", file),), "superglue_jsonl", label_format,
+                   folder=file.removesuffix(".jsonl"))
 
 
 BENCHMARKS: dict[str, Benchmark] = {b.tfds_name: b for b in [

@@ -26,6 +26,9 @@ def default_finetune_config() -> ml_collections.ConfigDict:
   # Where the backbone comes from.
   c.init = ml_collections.ConfigDict()
   c.init.config = ""  # pretraining config "file.py[:arg]" (model + vocab sections)
+  # Where init.config is "": the config.py that train saved in init.checkpoint's
+  # workdir, else this one (the benchmark configs: BERT-base / T5 base); see backbone.py.
+  c.init.default_config = ""
   c.init.checkpoint = ""  # its train workdir / checkpoints dir / step dir; "" = random init
   c.init.step = -1  # checkpoint step; -1 = the latest
   c.init.hf = ""  # or: a Hugging Face checkpoint directory (instead of init.config)
@@ -48,6 +51,10 @@ def default_finetune_config() -> ml_collections.ConfigDict:
   c.benchmark.predict_test = True  # predict the test splits, write the submission files
   c.benchmark.max_train_examples = 0  # > 0: the first N training examples only
   c.benchmark.max_eval_examples = 0  # > 0: the first N of each dev / test split
+  # > 0: this fraction of train (drawn by holdout_seed) is held out and scored as the
+  # dev split, trained on the rest; dev and test are not read (finetune-suite --lr_grid).
+  c.benchmark.holdout_fraction = 0.0
+  c.benchmark.holdout_seed = 0
 
   # Tokenizer: "" = the pretraining config's vocabulary (init.hf: its vocab.txt or
   # spiece.model); else a sentencepiece .model or a WordPiece vocab.txt path.

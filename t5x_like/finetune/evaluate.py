@@ -116,11 +116,15 @@ def dev_metrics(model, predictions: Any, features: dict[str, np.ndarray],
 
 def prediction_rows(model, predictions: Any, dataset: Dataset,
                     features: dict[str, np.ndarray]) -> list[dict]:
-  """One JSON-able row per dev example: its line and the task's gold and predicted
-  values (text to text: the generated label, None when it is no label, and `ranked`)."""
+  """One JSON-able row per dev example: its line (a benchmark's: its place in TFDS's
+  storage order), a benchmark example's own `idx` (GLUE's / SuperGLUE's idx, SQuAD's id:
+  what joins the row to the dataset's files), and the task's gold and predicted values
+  (text to text: the generated label, None when it is no label, and `ranked`)."""
   task, rows = model.task, []
   for k, example in enumerate(dataset.examples):
     row = {"line": example.line}
+    if dataset.ids is not None:
+      row["idx"] = dataset.ids[k]
     if model.text_to_text and not model.generates_text:
       row.update(task.prediction_row(k, example, predictions["generated"], features, dataset))
       row["ranked"] = task.prediction_row(k, example, predictions["ranked"], features,
