@@ -1,8 +1,9 @@
 """A benchmark's splits from TFDS: `tfds.data_source` (array_record; no TensorFlow, no
-download) -> Datasets of the fine-tuning task's Examples.
+download), read through benchmarks/sources.py (which reads the distribution's own files
+instead where data_dir holds them: files_source.py).
 
   data_dir = benchmark_data_dir(config.benchmark.data_dir)     # "" = TFDS's default
-  train = read_benchmark_split(bench, "train", task, text_to_text=False, data_dir=data_dir)
+  source, label_names = open_split(bench, "train", data_dir)   # source[k]: an example
 
 The dataset must have been built under data_dir, on a machine with internet:
 `tfds build glue/cola --data_dir DIR --file_format array_record` (GLUE's builder needs
@@ -15,11 +16,9 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Optional, Sequence
+from typing import Sequence
 
-from t5x_like.benchmarks.registry import Benchmark, BenchmarkError, benchmark
-from t5x_like.finetune.data import Dataset, dataset_from_rows
-from t5x_like.finetune.task import BadRow, Task
+from t5x_like.benchmarks.registry import Benchmark, BenchmarkError
 
 
 def benchmark_data_dir(configured: str) -> str:
@@ -32,17 +31,18 @@ def build_command(bench: Benchmark, data_dir: str) -> str:
   return f"tfds build {bench.tfds_name} --data_dir {data_dir} --file_format array_record"
 
 
-def _check_built(bench: Benchmark, data_dir: str) -> None:
+def _check_built(bench: Benchmark, data_dir: str, files_hint: str = "") -> None:
   """BenchmarkError unless data_dir holds an array_record build of the dataset (a mocked
-  TFDS, tfds.testing.mock_data, needs none)."""
+  TFDS, tfds.testing.mock_data, needs none); files_hint: the files also looked for."""
   if _mocked():
     return
-  infos = sorted(glob.glob(os.path.join(data_dir, bench.suite, bench.name, "*",
-                                        "dataset_info.json")))
+  pattern = os.path.join(data_dir, bench.suite, bench.name, "*", "dataset_info.json")
+  infos = sorted(glob.glob(pattern))
   if not infos:
+    looked = f"; looked for {pattern}" + (f" and {files_hint}" if files_hint else "")
     raise BenchmarkError(f"{bench.tfds_name} is not built under {data_dir}: on a machine with"
                          f" internet run `{build_command(bench, data_dir)}` (or set"
-                         " config.benchmark.data_dir)")
+                         f" config.benchmark.data_dir){looked}")
   with open(infos[-1]) as f:
     file_format = json.load(f).get("fileFormat", "tfrecord")
   if file_format != "array_record":
@@ -56,11 +56,11 @@ def _mocked() -> bool:
   return getattr(tfds.core.DatasetBuilder.as_data_source, "__name__", "") != "as_data_source"
 
 
-def _builder(bench: Benchmark, data_dir: str):
+def _builder(bench: Benchmark, data_dir: str, files_hint: str = ""):
   """The dataset's builder, after the checks above and of its features."""
   import tensorflow_datasets as tfds
   from tensorflow_datasets.core import read_only_builder
-  _check_built(bench, data_dir)
+  _check_built(bench, data_dir, files_hint)
   if _mocked():
     builder = tfds.builder(bench.tfds_name, data_dir=data_dir)
   else:  # from the build's own files: GLUE's builder code needs TensorFlow
@@ -80,55 +80,18 @@ def _check_split(builder, bench: Benchmark, split: str, data_dir: str) -> None:
                          f" (splits: {', '.join(builder.info.splits)})")
 
 
-def check_benchmark(benchmark_config) -> None:
-  """BenchmarkError for config.benchmark's first problem: an unknown name, a dataset not
-  built under its data_dir, a feature or a split it lacks (reads metadata only)."""
-  bench = benchmark(benchmark_config.name)
-  data_dir = benchmark_data_dir(benchmark_config.data_dir)
-  builder = _builder(bench, data_dir)
-  tests = [split for split, _ in bench.submission] if benchmark_config.predict_test else []
-  for split in ["train", *bench.dev_splits, *tests]:
+def check_splits(bench: Benchmark, splits: Sequence[str], data_dir: str,
+                 files_hint: str = "") -> None:
+  """BenchmarkError unless data_dir holds a build of the dataset with these splits and
+  the features the benchmark reads (metadata only); files_hint: what else was looked for."""
+  builder = _builder(bench, data_dir, files_hint)
+  for split in splits:
     _check_split(builder, bench, split, data_dir)
 
 
-def open_split(bench: Benchmark, split: str, data_dir: str):
+def open_split(bench: Benchmark, split: str, data_dir: str, files_hint: str = ""):
   """(the split's data source, the dataset's label names), checked."""
-  builder = _builder(bench, data_dir)
+  builder = _builder(bench, data_dir, files_hint)
   _check_split(builder, bench, split, data_dir)
   label = builder.info.features["label"] if "label" in builder.info.features else None
   return builder.as_data_source(split=split), list(getattr(label, "names", None) or [])
-
-
-def read_benchmark_split(bench: Benchmark, split: str, task: Task, *, text_to_text: bool,
-                         data_dir: str, labels: Optional[Sequence[str]] = None,
-                         limit: int = 0) -> Dataset:
-  """One split as a Dataset (its first `limit` examples when limit > 0), with the
-  examples' ids, gold values (SQuAD: every answer; STS-B: the score) and whether the
-  split is labeled (a GLUE test split is not: it is predicted for submission only)."""
-  source, dataset_labels = open_split(bench, split, data_dir)
-  label_names = bench.label_names(dataset_labels, text_to_text)
-  count = len(source) if limit <= 0 else min(limit, len(source))
-  rows, ids, golds, labeled = [], [], [], []
-  for k in range(count):
-    record = bench.record(source[k], text_to_text, dataset_labels)
-    rows.append((k, _checked_answer(record) if bench.kind == "span" else record))
-    ids.append(record["idx"])
-    golds.append(record["answers"] if bench.kind == "span" else
-                 record["score"] if bench.kind == "regression" else record["label"])
-    labeled.append(record["labeled"])
-  dataset = dataset_from_rows(f"{bench.tfds_name}:{split}", rows, task,
-                              labels if labels is not None else label_names)
-  if len(dataset.examples) != len(rows):  # skip_bad_rows dropped some: keep ids aligned
-    kept = {example.line for example in dataset.examples}
-    ids = [i for (k, _), i in zip(rows, ids) if k in kept]
-    golds = [g for (k, _), g in zip(rows, golds) if k in kept]
-  dataset.ids, dataset.golds, dataset.labeled = ids, golds, all(labeled) if labeled else True
-  return dataset
-
-
-def _checked_answer(record: dict):
-  """A SQuAD row whose first answer is not at its answer_start is a BadRow."""
-  answer = record["answer_text"]
-  if answer and record["text_pair" if "text_pair" in record else "text"].find(answer) < 0:
-    return BadRow("bad_value", f"answer {answer!r} is not in the context")
-  return record

@@ -22,7 +22,7 @@ from t5x_like.experiment import config_vocab
 from t5x_like.finetune.defaults import default_finetune_config
 from t5x_like.finetune.task import Task
 from t5x_like.finetune.splits import run_task
-from t5x_like.benchmarks.tfds_source import check_benchmark
+from t5x_like.benchmarks.sources import check_benchmark
 from t5x_like.models import build_model, model_class
 from t5x_like.models.config import ModelConfig
 from t5x_like.train.config_check import (ConfigError, check_fields, check_finite, check_mesh,

@@ -8,10 +8,11 @@ Files (config.task.train_file / dev_file, CSV or JSONL): one dev split, "dev", a
 config.task.test_file one test split, "test", scored once at the end. A
 benchmark (config.benchmark.name, e.g. "glue/mnli"; benchmarks/registry.py) reads its
 splits from its own files or a TFDS build (benchmarks/sources.py): train, every dev
-split (MNLI: matched and mismatched; the first is evaluated during training), and with config.benchmark.predict_test its test splits,
-predicted for the submission files (GLUE's and SuperGLUE's have no labels; one that
-has them is scored too). With config.benchmark.holdout_fraction a seeded part of train
-is the one dev split, "holdout", and dev and test are not read (hold_out below).
+split (MNLI: matched and mismatched; the first is evaluated during training), and with
+config.benchmark.predict_test its test splits, predicted for the submission files
+(GLUE's and SuperGLUE's have no labels; one that has them is scored too). With
+config.benchmark.holdout_fraction a seeded part of train is the one dev split,
+"holdout", and dev and test are not read (hold_out below).
 """
 
 from __future__ import annotations
