@@ -1,6 +1,9 @@
-"""GLUE (Wang et al. 2019) from TFDS: fine-tune and predict one task, or the suite.
+"""GLUE (Wang et al. 2019) from its own TSV files or TFDS: fine-tune and predict one
+task, or the suite.
 
-  tfds build glue/cola --data_dir ~/tensorflow_datasets --file_format array_record   # once, with internet
+  --config.benchmark.data_dir=glue_data   # GLUE's download: glue_data/CoLA/train.tsv, dev.tsv,
+                                          # test.tsv ... (MNLI/dev_matched.tsv ...)
+  tfds build glue/cola --data_dir ~/tensorflow_datasets --file_format array_record   # or this, once
   t5x-like finetune --config configs/glue.py:cola --workdir workdir/glue_cola \\
       --config.init.checkpoint=workdir/bert_base
   t5x-like finetune-suite --config configs/glue.py --workdir workdir/glue \\

@@ -1,8 +1,9 @@
-"""SQuAD (Rajpurkar et al. 2016, 2018) from TFDS: span extraction (BERT) or the answer
-generated as text (T5), scored by exact match and F1; predictions.json is the official
-evaluation script's input.
+"""SQuAD (Rajpurkar et al. 2016, 2018) from its official JSON or TFDS: span extraction
+(BERT) or the answer generated as text (T5), scored by exact match and F1;
+predictions.json is the official evaluation script's input.
 
-  tfds build squad/v1.1 --data_dir ~/tensorflow_datasets --file_format array_record
+  --config.benchmark.data_dir=squad       # squad/train-v1.1.json, dev-v1.1.json (v2.0 likewise)
+  tfds build squad/v1.1 --data_dir ~/tensorflow_datasets --file_format array_record   # or this
   t5x-like finetune --config configs/squad.py:v1.1 --workdir workdir/squad \\
       --config.init.checkpoint=workdir/bert_base
 

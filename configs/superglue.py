@@ -1,6 +1,9 @@
-"""SuperGLUE (Wang et al. 2019) from TFDS: the tasks the fine-tuning task types cover.
+"""SuperGLUE (Wang et al. 2019) from its own JSONL files or TFDS: the tasks the
+fine-tuning task types cover.
 
-  tfds build super_glue/boolq --data_dir ~/tensorflow_datasets --file_format array_record
+  --config.benchmark.data_dir=superglue   # its unpacked zips: superglue/BoolQ/train.jsonl,
+                                          # val.jsonl, test.jsonl; CB COPA RTE WiC likewise
+  tfds build super_glue/boolq --data_dir ~/tensorflow_datasets --file_format array_record   # or
   t5x-like finetune --config configs/superglue.py:boolq --workdir workdir/sg_boolq \\
       --config.init.checkpoint=workdir/bert_base
 

@@ -6,6 +6,8 @@ and how it is scored.
   registry     one Benchmark per task: input templates (BERT pairs, T5 text to text),
                official metrics, dev and test splits, submission format; SUITES
   configs      the fine-tuning configs of configs/glue.py, superglue.py, squad.py
-  tfds_source  a benchmark's splits from a TFDS array_record build
+  sources      a benchmark's splits: from files_source where data_dir holds the task's
+               own files (GLUE TSV, SuperGLUE JSONL, SQuAD JSON), else tfds_source (a
+               TFDS array_record build); the same examples either way
   outputs      a run's official metrics and submission files
 """
