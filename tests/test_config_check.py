@@ -53,7 +53,8 @@ def test_finetune_config_names_a_valid_pretraining_config(name, arg, monkeypatch
   config = load(name, arg)
   assert set(config.to_dict()) == set(default_finetune_config().to_dict())
   monkeypatch.chdir(ROOT)  # init.config is relative to the repository root
-  pretrain = load_config_file(config.init.config)
+  # the benchmark configs leave init.config "" (a checkpoint's workdir names it)
+  pretrain = load_config_file(config.init.config or config.init.default_config)
   validate(pretrain, 8, vocab_size=config_vocab(pretrain).vocab_size)
   assert config.task.max_length <= pretrain.model.overrides.get("max_position_embeddings", 512)
 

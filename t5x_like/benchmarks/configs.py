@@ -7,7 +7,9 @@
 
 Arguments (big_vision style, t5x_like.train.defaults.parse_arg): the task (a TFDS config
 of the suite), family=bert|t5, smoke, epochs, data_dir (TFDS's data dir). Point
-init.checkpoint at a pretraining run of the same config (`--init` of finetune-suite).
+init.checkpoint at a pretraining run (`--init` of finetune-suite): its workdir's
+config.py names the backbone; without init.checkpoint, or for a run that saved none,
+the backbone is init.default_config (BERT-base / T5 base; the CPU models with smoke).
 
 The recipes: BERT's (Devlin et al. 2019, section 4): batch 32, 3 epochs, AdamW with a
 learning rate of 2e-5 (3e-5 for SQuAD), 10% linear warmup, sequences of 128 tokens (384
@@ -53,7 +55,9 @@ def benchmark_config(suite: str, arg: str, configs_dir: str) -> ml_collections.C
   c = default_finetune_config()
   c.benchmark.name = bench.tfds_name
   c.benchmark.data_dir = a.data_dir
-  c.init.config = os.path.join(configs_dir, _BACKBONES[a.family][a.smoke])
+  # init.config stays "": a pretraining workdir in init.checkpoint names its own config
+  # (its config.py); without one, the default backbone (finetune/backbone.py).
+  c.init.default_config = os.path.join(configs_dir, _BACKBONES[a.family][a.smoke])
   c.task.max_length = 384 if span else 128
   c.task.max_question_length = 64
   c.task.target_length = 32 if span else 16  # T5: answers / label strings + eos

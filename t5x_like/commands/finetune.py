@@ -6,6 +6,29 @@ or 130, 128 + the signal's number; rerun to resume). Exit status 2 on bad input 
 data row names its file and line), 1 on a non-finite loss. Multi-host: every process
 runs the same command with the train command's flags (--num_processes, --process_id,
 --coordinator_address or --distributed=auto).
+
+The backbone (init.*; docs/commands.md):
+  init.checkpoint   a `train` workdir (or its checkpoints/ or a step directory); its
+                    config.py names the architecture. "" = random initialisation
+  init.config       the pretraining config FILE.py[:ARG]; "" = the workdir's config.py,
+                    else init.default_config (the benchmark configs: BERT-base / T5 base).
+                    The random arm of a run's architecture:
+                    --config.init.config=WORKDIR/config.py without init.checkpoint
+  init.hf           or a Hugging Face checkpoint directory
+  init.step, init.model_overrides, init.default_config
+The task: task.* (task.name, task.train_file, task.dev_file, task.max_length, ...).
+A benchmark instead of files (configs/glue.py, superglue.py, squad.py set them):
+  benchmark.name                 "glue/cola", "super_glue/cb", "squad/v1.1", ...
+  benchmark.data_dir             the benchmark's own files (GLUE's glue_data/ with
+                                 CoLA/train.tsv ...) or a TFDS data dir ("" =
+                                 $TFDS_DATA_DIR or ~/tensorflow_datasets)
+  benchmark.predict_test         predict the test splits, write the submission files
+  benchmark.max_train_examples   > 0: the first N training examples only
+  benchmark.max_eval_examples    > 0: the first N examples of each dev / test split
+  benchmark.holdout_fraction     > 0: this fraction of train is held out and scored as
+                                 the dev split (finetune-suite --lr_grid)
+  benchmark.holdout_seed         the seed that draws the held-out examples
+Every key with its default: t5x_like/finetune/defaults.py.
 """
 
 from __future__ import annotations

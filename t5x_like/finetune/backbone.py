@@ -5,6 +5,12 @@
 
 From a pretraining config (init.config) and, optionally, the checkpoint its `train`
 run wrote (init.checkpoint); or from a Hugging Face checkpoint directory (init.hf).
+
+init.config left "" (the benchmark configs leave it so) is resolved by resolve_init:
+the config.py that `t5x-like train` saved in init.checkpoint's workdir
+(train/saved_config.py), else init.default_config (a benchmark config's BERT-base or
+T5 base). A backbone found so, not named by the user, also sets the length: a
+task.max_length above its learned positions is cut to them (a log line says so).
 """
 
 from __future__ import annotations
@@ -13,9 +19,11 @@ import json
 import os
 from typing import Any, NamedTuple, Optional
 
+from t5x_like.checkpoint import IncompatibleCheckpointError
 from t5x_like.errors import UserError
 from t5x_like.finetune.tokenizer import Tokenizer, as_tokenizer
 from t5x_like.models.config import ModelConfig
+from t5x_like.train.saved_config import CONFIG_FILE, saved_config_path, train_workdir
 
 
 class BackboneError(UserError, ValueError):
@@ -28,6 +36,63 @@ class Backbone(NamedTuple):
   params: Optional[Any]  # the pretrained model's params; None: initialise at random
   source: str  # where it came from, for the log
   remat_auto: bool = False  # the pretraining config's model.remat_policy is "auto"
+
+
+class ResolvedInit(NamedTuple):
+  config: Any  # the finetune config with init.config filled in (see resolve_init)
+  origin: str  # where init.config came from, for the log and the errors
+  notes: tuple[str, ...]  # lines for the run's log
+
+
+def resolve_init(config) -> ResolvedInit:
+  """config with init.config filled in where it was left "" (and init.hf too): the
+  config.py saved by the train run that init.checkpoint names, else
+  init.default_config; a copy, with task.max_length cut to that backbone's learned
+  positions when it has fewer. Unchanged when init.config or init.hf is set, or when
+  there is nothing to fill in (load_backbone then says what to set)."""
+  init = config.init
+  if init.hf or init.config:
+    return ResolvedInit(config, "config.init.config" if init.config else "config.init.hf", ())
+  saved = saved_config_path(init.checkpoint)
+  if saved:
+    chosen, origin = saved, f"saved by the train run in {train_workdir(init.checkpoint)}"
+  elif init.default_config:
+    chosen, origin = init.default_config, "config.init.default_config, this config's default"
+    if init.checkpoint:
+      origin += f"; {init.checkpoint} holds no {CONFIG_FILE} from `t5x-like train`"
+  elif init.checkpoint:
+    raise BackboneError(
+        f"config.init.checkpoint={init.checkpoint!r}: no {CONFIG_FILE} beside its"
+        " checkpoints (train writes it) and config.init.config is unset: set"
+        " --config.init.config=FILE.py[:ARG], the pretraining config it was trained with")
+  else:
+    return ResolvedInit(config, "", ())
+  config = config.copy_and_resolve_references()
+  config.init.config = chosen
+  notes = [f"init.config: {chosen} ({origin})"]
+  positions = _learned_positions(config)
+  if positions is not None and config.task.max_length > positions:
+    notes.append(f"task.max_length: {config.task.max_length} -> {positions}, the learned"
+                 f" positions of {chosen}")
+    config.task.max_length = positions
+  return ResolvedInit(config, origin, tuple(notes))
+
+
+def _learned_positions(config) -> Optional[int]:
+  """max_position_embeddings of init.config's model (with init.model_overrides) when its
+  positions are learned; None otherwise, or when the config does not load (the config
+  check then names the problem)."""
+  from t5x_like.command_flags import load_config_file
+  from t5x_like.experiment import config_vocab, model_config_from
+  try:
+    pretrain = load_config_file(config.init.config)
+    model_config = model_config_from(pretrain, config_vocab(pretrain).vocab_size).replace(
+        **dict(config.init.model_overrides))
+  except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    return None
+  if model_config.position_embedding != "learned":
+    return None
+  return model_config.max_position_embeddings
 
 
 def _tokenizer(config, default) -> Tokenizer:
@@ -56,8 +121,11 @@ def _hf_tokenizer(config, path: str, hf_model_type: str) -> Tokenizer:
                       " sentencepiece .model")
 
 
-def load_backbone(config) -> Backbone:
-  """The backbone named by config.init (see the module docstring)."""
+def load_backbone(config, origin: Optional[str] = None) -> Backbone:
+  """The backbone named by config.init (see the module docstring). origin: where
+  init.config came from, when the caller resolved it (resolve_init); None resolves here."""
+  if origin is None:
+    config, origin = resolve_init(config)[:2]
   init = config.init
   overrides = dict(init.model_overrides)
   if bool(init.hf) == bool(init.config):
@@ -86,8 +154,14 @@ def load_backbone(config) -> Backbone:
                     f"random initialisation of {init.config}",
                     pretrain.model.remat_policy == "auto")
   from t5x_like.train.pretrained import load_pretrained
-  loaded = load_pretrained(pretrain, init.checkpoint,
-                           step=None if init.step < 0 else int(init.step))
+  try:
+    loaded = load_pretrained(pretrain, init.checkpoint,
+                             step=None if init.step < 0 else int(init.step))
+  except IncompatibleCheckpointError as e:
+    raise IncompatibleCheckpointError(
+        f"{e}; the backbone config was {init.config} ({origin}): set"
+        " --config.init.config=FILE.py[:ARG] to the pretraining config that trained"
+        f" {init.checkpoint}") from None
   return Backbone(model_config, _tokenizer(config, vocab), loaded.params,
                   f"{init.config} checkpoint step {loaded.step} in {init.checkpoint}",
                   pretrain.model.remat_policy == "auto")

@@ -25,7 +25,7 @@ import optax
 from t5x_like import fs
 from t5x_like.errors import UserError
 from t5x_like.experiment import build_mesh
-from t5x_like.finetune.backbone import load_backbone
+from t5x_like.finetune.backbone import load_backbone, resolve_init
 from t5x_like.finetune.config_check import validate_finetune
 from t5x_like.finetune.encoding import EncodedRows, encode_examples
 from t5x_like.finetune.evaluate import Predictor, dev_metrics, prediction_rows
@@ -48,6 +48,44 @@ class FinetuneConfigError(UserError, ValueError):
   """A fine-tuning config that cannot run; the message names the key."""
 
 
+# More than this fraction of the training examples cut by task.max_length: a warning.
+TRUNCATION_WARNING_FRACTION = 0.1
+_PREDICTS = {"regression": "predicting a score", "span_extraction": "predicting answer spans",
+             "text_generation": "generating text"}
+
+
+def task_phrase(task, num_labels: int) -> str:
+  """What the task predicts, for the log: its labels, or what it predicts instead."""
+  if task.uses_label_list:
+    return f"task {task.name} with {num_labels} labels"
+  return f"task {task.name} {_PREDICTS.get(task.name, 'without a label list')}"
+
+
+def random_init_line(config) -> str:
+  """The log line of a backbone initialised at random (no init.checkpoint)."""
+  return ("init: random initialisation (no init.checkpoint) of the architecture of"
+          f" {config.init.config}; set config.init.checkpoint=WORKDIR to start from a"
+          " pretraining run")
+
+
+def truncation_warning(stats: dict, max_length: int,
+                       positions: Optional[int] = None) -> Optional[str]:
+  """One log line when more than TRUNCATION_WARNING_FRACTION of the training examples
+  (stats: encode_examples's) were cut at max_length tokens; positions: the backbone's
+  learned positions (None: not learned), the most task.max_length can be."""
+  cut, total = stats.get("truncated", 0), stats["examples"]
+  if not total or cut <= TRUNCATION_WARNING_FRACTION * total:
+    return None
+  if positions is not None and max_length >= positions:
+    remedy = (f"task.max_length is at the backbone's {positions} learned positions: a"
+              " backbone pretrained on longer sequences keeps more")
+  else:
+    remedy = "raise task.max_length" + (f" (the backbone has {positions} positions)"
+                                        if positions else "")
+  return (f"warning: {cut:,} of {total:,} training examples ({100 * cut / total:.0f}%)"
+          f" are cut at task.max_length={max_length} tokens; {remedy}")
+
+
 # ============================================================================ finetune
 def finetune(config: ml_collections.ConfigDict, workdir, *,
              lock: Optional[WorkdirLock] = None) -> RunResult:
@@ -58,13 +96,17 @@ def finetune(config: ml_collections.ConfigDict, workdir, *,
   from the last checkpoint). A UserError (bad config, rows, backbone, a locked workdir)
   leaves the workdir as it was. lock: the workdir's lock when the caller holds it (the
   finetune command takes it before building anything); None takes it here."""
+  resolved = resolve_init(config)  # init.config "": the checkpoint's workdir names it
+  config = resolved.config
   validate_finetune(config, jax.device_count())  # the train checks on its schema
   tc = config.train
   with open_run(workdir, total_steps=tc.num_steps, keep=2, async_save=False,
                 lock=lock) as run:
 
     # ---------------------------------------------------------- backbone, data, mesh
-    backbone = load_backbone(config)
+    for note in resolved.notes:
+      run.writer.log(note)
+    backbone = load_backbone(config, resolved.origin)
     family = backbone.model_config.family
     text_to_text = (model_class(backbone.model_config).finetunes_text_to_text
                     and config.task.text_to_text)
@@ -110,13 +152,21 @@ def finetune(config: ml_collections.ConfigDict, workdir, *,
               m.config.replace(remat_policy=policy), task,
               num_labels=len(train_set.labels), label_targets=targets))
       run.writer.log(remat.summary())
-    run.writer.log(f"backbone: {backbone.source}; {model.num_params():,} params; task"
-                   f" {task.name} with {len(train_set.labels)} labels; train"
+    if backbone.params is None:
+      run.writer.log(random_init_line(config))
+    run.writer.log(f"backbone: {backbone.source}; {model.num_params():,} params;"
+                   f" {task_phrase(task, len(train_set.labels))}; train"
                    f" {json.dumps(train_stats)} of {train_set.path}"
                    f" ({train_set.stats['bad_rows']} bad rows skipped); dev"
                    f" {json.dumps(dev_stats)} of {dev_set.path}"
                    f" ({dev_set.stats['bad_rows']} bad rows skipped);"
                    f" {jax.process_count()} process(es)")
+    mc = backbone.model_config
+    warning = truncation_warning(train_stats, task.max_length,
+                                 mc.max_position_embeddings
+                                 if mc.position_embedding == "learned" else None)
+    if warning:
+      run.writer.log(warning)
 
     # ------------------------------------------------------------------ state, resume
     def create():

@@ -29,6 +29,7 @@ from t5x_like.train.optimizers import make_optimizer
 from t5x_like.train.preemption import RunResult
 from t5x_like.train.run_context import open_run
 from t5x_like.train.runner import Every, StepLoop, device_batches, run_steps
+from t5x_like.train.saved_config import write_run_config
 from t5x_like.train.state import abstract_train_state, create_train_state
 from t5x_like.train.step import make_eval_step, make_train_step
 from t5x_like.workdir_lock import WorkdirLock
@@ -101,6 +102,10 @@ def train(config: ml_collections.ConfigDict, workdir, *,
         abstract_train_state(model, optimizer, mesh, rules, batch_shapes),
         lambda: create_train_state(model, optimizer, mesh, rules, batch_shapes,
                                    jax.random.fold_in(rng, 1)))
+    if jax.process_index() == 0:  # the workdir names its model: WORKDIR/config.py
+      not_saved = write_run_config(run.workdir, config)
+      if not_saved:
+        run.writer.log(not_saved)
     if start.finished:
       return RunResult(_last_eval(run.writer.jsonl_path), start.step, "already_finished")
     peak_flops = flops_lib.peak_flops_per_device(jax.devices()[0], dtype=model.config.dtype)
