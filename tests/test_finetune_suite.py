@@ -220,9 +220,14 @@ def test_lr_grid_picks_on_held_out_train_then_runs_the_task(rte_only, tmp_path):
   # the final run: all of train, the dev split, at the picked rate
   final = json.loads((workdir / "rte" / "final_metrics.json").read_text())
   assert (final["train_examples"], final["dev_examples"]) == (24, 8)
-  rates = [json.loads(line).get("learning_rate") for line in
-           open(workdir / "rte" / "metrics.jsonl")]
-  assert max(r for r in rates if r is not None) == pytest.approx(1e-4)
+  def logged_rates(run_dir):  # the schedule's rate at each logged step
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return {r["step"]: r["learning_rate"] for r in rows if "learning_rate" in r}
+  final_rates, point_rates = logged_rates(workdir / "rte"), logged_rates(
+      workdir / "lr_grid" / "rte" / "3e-3")
+  assert final_rates and final_rates.keys() == point_rates.keys()
+  for step, rate in final_rates.items():  # the same schedule, scaled to the picked peak
+    assert rate == pytest.approx(point_rates[step] * 1e-4 / 3e-3, rel=1e-4)
   summary = json.loads((workdir / "suite.json").read_text())
   assert summary["tasks"]["rte"]["lr_grid"] == pick
   assert summary["score_name"] == "mean of 1 of GLUE's 9 tasks"
