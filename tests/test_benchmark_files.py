@@ -148,7 +148,7 @@ def _glue_gen_kwargs(bench, data_dir: str, out_dir: str) -> dict:
     mrpc = {"train": corpus, "dev_ids": dev_ids,
             "test": files_source.split_file(bench, "test", data_dir)}
   out = {}
-  for split in files_source._splits(bench):
+  for split in files_source.task_splits(bench):
     path = files_source.split_file(bench, split, data_dir)
     kind = split.split("_")[0].replace("validation", "dev")
     out[split] = {"data_file": path, "split": kind, "mrpc_files": mrpc}
@@ -198,7 +198,7 @@ def _same_datasets(name: str, files: str, built: str, family_t5: bool = False):
   suite, task_name = name.split("/")
   config = load_config(CONFIG_FILE[suite], task_name)
   task = run_task(config, family_t5)
-  splits = files_source._splits(bench)
+  splits = files_source.task_splits(bench)
   for split in splits:
     ours = sources.open_examples(bench, split, files)
     theirs = sources.open_examples(bench, split, built)

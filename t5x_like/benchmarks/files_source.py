@@ -95,8 +95,9 @@ SUPERGLUE_FIELDS = {
 @dataclasses.dataclass
 class SplitExamples:
   """One split's examples as TFDS gives them (dicts of its features, in its order), the
-  line each starts on in `where` (a file; a TFDS split: the example's position), the
-  rows that could not be read (line, BadRow), and the dataset's label names."""
+  line each starts on in `where` (a TSV / JSONL file's line; a SQuAD file: the
+  question's number in it; a TFDS split: the example's position), the rows that could
+  not be read (line, BadRow), and the dataset's label names."""
 
   where: str
   examples: Sequence[dict]
@@ -115,14 +116,15 @@ def split_file(bench: Benchmark, split: str, data_dir: str) -> str:
   return os.path.join(data_dir, bench.folder, {"validation": "val"}.get(split, split) + ".jsonl")
 
 
-def _splits(bench: Benchmark) -> list[str]:
+def task_splits(bench: Benchmark) -> list[str]:
+  """The TFDS splits of the task: train, its dev splits, its test splits."""
   return ["train", *bench.dev_splits, *(split for split, _ in bench.submission
                                         if split not in bench.dev_splits)]
 
 
 def holds_files(bench: Benchmark, data_dir: str) -> bool:
   """Whether data_dir holds any of the task's own split files."""
-  return any(os.path.isfile(split_file(bench, split, data_dir)) for split in _splits(bench))
+  return any(os.path.isfile(split_file(bench, split, data_dir)) for split in task_splits(bench))
 
 
 def check_files(bench: Benchmark, data_dir: str, splits: Sequence[str]) -> None:
