@@ -9,6 +9,7 @@ configs/glue.py:stsb from it with only --config.init.checkpoint.
 """
 
 import os
+import re
 import shutil
 
 import numpy as np
@@ -228,6 +229,9 @@ def test_the_random_arm_says_so(tmp_path, stsb_data_dir, main_job, capsys):
                    f"--workdir={tmp_path / 'ft'}",
                    f"--config.init.config={bert}/config.py",  # the same architecture
                    f"--config.benchmark.data_dir={stsb_data_dir}",
-                   "--config.task.max_length=64", *_SHORT]) == 0
+                   "--config.task.max_length=8", *_SHORT]) == 0
   out = capsys.readouterr().out
   assert "init: random initialisation (no init.checkpoint)" in out
+  # STS-B pairs at 8 tokens: most are cut, and the run says so with the key to raise
+  assert re.search(r"warning: \d+ of 16 training examples \(\d+%\) are cut at"
+                   r" task.max_length=8 tokens; raise task.max_length", out), out
