@@ -200,7 +200,9 @@ def _scalar(value):
   if value is None:
     return None
   value = _text(value)
-  return value.item() if isinstance(value, np.generic) else value
+  # TFDS's mock data gives a 0-d array where a build gives a numpy scalar
+  return value.item() if isinstance(value, (np.generic, np.ndarray)) and np.ndim(value) == 0 \
+      else value
 
 
 def _score(value) -> float:
