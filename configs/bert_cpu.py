@@ -45,9 +45,18 @@ def get_config(arg: str = ""):
     c.train.checkpoint_every = 1000
     c.optimizer.learning_rate = 1e-3
     c.optimizer.warmup_steps = 500
+  elif arg == "glue":
+    c.model.overrides = dict(max_position_embeddings=128, dropout_rate=0.1,
+                             attention_dropout_rate=0.1)
+    c.data.length = 128
+    c.data.options = dict(max_predictions_per_seq=20, nsp_negatives="other_document")
+    c.train.num_steps = 12_000
+    c.train.eval_every = 3000
+    c.train.checkpoint_every = 1000
+    c.optimizer.warmup_steps = 500
   elif arg:
-    raise ValueError(f"configs/bert_cpu.py: unknown variant {arg!r} (expected '', 'smoke'"
-                     " or 'mini')")
+    raise ValueError(f"configs/bert_cpu.py: unknown variant {arg!r} (expected '', 'smoke',"
+                     " 'mini' or 'glue')")
   return c
 
 

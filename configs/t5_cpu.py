@@ -6,6 +6,8 @@
 
 `mini`: 4 + 4 layers of 256 (4 heads of 64, gated FFN 512), 10,000 steps of 32: the
 one-hour pretraining of the text-task experiments (docs/text-tasks.md).
+`glue`: the default model (2 + 2 layers of 128) for 12,000 steps: the pretraining of the
+GLUE study (docs/glue.md; t5x_like.studies.glue_experiment sets data.mixture).
 """
 
 from t5x_like.train.defaults import default_config, smoke_schedule
@@ -40,7 +42,11 @@ def get_config(arg: str = ""):
     c.train.num_steps = 10_000
     c.train.eval_every = 2000
     c.train.checkpoint_every = 1000
+  elif arg == "glue":
+    c.train.num_steps = 12_000
+    c.train.eval_every = 3000
+    c.train.checkpoint_every = 1000
   elif arg:
-    raise ValueError(f"configs/t5_cpu.py: unknown variant {arg!r} (expected '', 'smoke'"
-                     " or 'mini')")
+    raise ValueError(f"configs/t5_cpu.py: unknown variant {arg!r} (expected '', 'smoke',"
+                     " 'mini' or 'glue')")
   return c

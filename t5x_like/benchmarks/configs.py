@@ -4,9 +4,13 @@
   get_config("mnli,family=t5")     T5 v1.1 base (configs/t5_pretrain.py), text to text
   get_config("rte,smoke")          the small CPU models (bert_cpu / t5_cpu :smoke), 4 steps
                                    on 64 training examples: tests and the tour
+  get_config("stsb,cpu")           the CPU study's backbones (bert_cpu / t5_cpu :glue) with
+                                   the recipe of Turc et al. 2019 (docs/glue.md)
 
 Arguments (big_vision style, t5x_like.train.defaults.parse_arg): the task (a TFDS config
-of the suite), family=bert|t5, smoke, epochs, data_dir (TFDS's data dir). Point
+of the suite), family=bert|t5, smoke, cpu, epochs, data_dir (a TFDS data dir, or the
+benchmark's own files: GLUE's CoLA/train.tsv ...), max_steps (cpu: a cap on the steps of
+the epochs). Point
 init.checkpoint at a pretraining run (`--init` of finetune-suite): its workdir's
 config.py names the backbone; without init.checkpoint, or for a run that saved none,
 the backbone is init.default_config (BERT-base / T5 base; the CPU models with smoke).
@@ -14,7 +18,11 @@ the backbone is init.default_config (BERT-base / T5 base; the CPU models with sm
 The recipes: BERT's (Devlin et al. 2019, section 4): batch 32, 3 epochs, AdamW with a
 learning rate of 2e-5 (3e-5 for SQuAD), 10% linear warmup, sequences of 128 tokens (384
 for SQuAD, question cut to 64); T5's fine-tuning (Raffel et al. 2020) uses a constant
-1e-3 with Adafactor at batch 128: here AdamW 1e-4 at batch 32, linear decay.
+1e-3 with Adafactor at batch 128: here AdamW 1e-4 at batch 32, linear decay. `cpu`:
+the small BERTs of Turc et al. 2019 ("Well-Read Students Learn Better"): 4 epochs
+(capped at max_steps=1500 on 2 cores: SST-2's 67k examples get 0.7 of an epoch),
+batch 32, AdamW 1e-4 (the middle of their grid 3e-4 ... 3e-5: finetune-suite --lr_grid
+picks one per task on a split of train), 10% warmup; T5 text to text alike at 1e-3.
 """
 
 from __future__ import annotations
@@ -37,14 +45,15 @@ TRAIN_EXAMPLES = {
 
 _BACKBONES = {"bert": ("bert_pretrain.py:base", "bert_cpu.py:smoke"),
               "t5": ("t5_pretrain.py:base", "t5_cpu.py:smoke")}
+_CPU_BACKBONES = {"bert": "bert_cpu.py:glue", "t5": "t5_cpu.py:glue"}
 
 
 def benchmark_config(suite: str, arg: str, configs_dir: str) -> ml_collections.ConfigDict:
   """The config of one task of `suite` (see the module docstring); configs_dir: where the
   pretraining configs are (the calling config file's directory)."""
   where = f"configs/{ {'super_glue': 'superglue'}.get(suite, suite)}.py"
-  a = parse_arg(arg, task=SUITES[suite][0], family="bert", smoke=False, epochs=3.0,
-                data_dir="")
+  a = parse_arg(arg, task=SUITES[suite][0], family="bert", smoke=False, cpu=False,
+                epochs=0.0, data_dir="", max_steps=1500)
   a.task = {"v1": "v1.1", "v2": "v2.0"}.get(a.task, a.task) if suite == "squad" else a.task
   if a.task not in SUITES[suite]:
     raise ValueError(f"{where}: unknown task {a.task!r}; known: {', '.join(SUITES[suite])}")
@@ -62,7 +71,8 @@ def benchmark_config(suite: str, arg: str, configs_dir: str) -> ml_collections.C
   c.task.max_question_length = 64
   c.task.target_length = 32 if span else 16  # T5: answers / label strings + eos
   c.train.batch_size = 32
-  c.train.num_steps = max(1, math.ceil(a.epochs * TRAIN_EXAMPLES[bench.tfds_name] / 32))
+  epochs = a.epochs or (4.0 if a.cpu else 3.0)
+  c.train.num_steps = max(1, math.ceil(epochs * TRAIN_EXAMPLES[bench.tfds_name] / 32))
   c.train.log_every = 50
   c.train.eval_every = 0  # dev metrics at the end
   c.train.checkpoint_every = 1000
@@ -71,6 +81,12 @@ def benchmark_config(suite: str, arg: str, configs_dir: str) -> ml_collections.C
   c.optimizer.learning_rate = 1e-4 if a.family == "t5" else (3e-5 if span else 2e-5)
   c.optimizer.warmup_steps = max(1, c.train.num_steps // 10)
   c.optimizer.weight_decay = 0.01
+  if a.cpu and not a.smoke:  # the CPU study (docs/glue.md): Turc et al.'s recipe
+    c.init.default_config = os.path.join(configs_dir, _CPU_BACKBONES[a.family])
+    c.train.num_steps = min(c.train.num_steps, a.max_steps)
+    c.train.checkpoint_every = 0
+    c.optimizer.learning_rate = 1e-3 if a.family == "t5" else 1e-4
+    c.optimizer.warmup_steps = max(1, c.train.num_steps // 10)
   if a.smoke:  # the CPU models: 64 positions; a handful of steps on a few examples
     c.task.max_length = 64
     c.task.max_question_length = 16

@@ -1,6 +1,8 @@
 """The bag-of-pieces baseline: logistic regression on a text's vocabulary pieces.
 
-  result = bag_of_pieces(splits, tokenizer)    # {"dev_accuracy", "test_accuracy", "l2"}
+  result = bag_of_pieces(train, dev, test, tokenizer)  # {"dev_accuracy", "test_accuracy", "l2"}
+  fitted = fit_on_train(train, tokenizer, kind, score)   # GLUE: penalty picked on train
+  predictions = fitted.predict(dev)                      # class indices, or scores
 
 What a classifier gets from the words alone, with no order and no pretraining: each
 example is the counts of the tokenizer's pieces, log(1 + count), one block per text
@@ -8,11 +10,17 @@ column (a pair's two texts apart), plus a bias; a multinomial logistic regressio
 an L2 penalty is fitted on train by L-BFGS (scipy), the penalty picked on dev from
 `l2_grid`, and scored on dev and test. A fine-tuned model that cannot beat it has
 learned nothing beyond word identity.
+
+For benchmarks (fit_on_train): the penalty is picked on a held-out part of train (never
+on dev), the model refitted on all of train; a pair gets a third block, the pieces its
+two texts share (log(1 + the smaller count)), since a sum of two separate bags cannot
+see overlap (what paraphrase and similarity tasks first measure); a regression (STS-B)
+is a ridge regression on the same features.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import scipy.optimize
@@ -23,17 +31,27 @@ from t5x_like.finetune.data import Dataset
 L2_GRID = (1e-3, 1e-2, 1e-1, 1.0)  # the penalty per training example
 
 
-def features(dataset: Dataset, tokenizer, vocab_size: int) -> scipy.sparse.csr_matrix:
-  """[N, V * columns] log(1 + piece count), a text pair's second text in its own block."""
+def features(dataset: Dataset, tokenizer, vocab_size: int, overlap: bool = False
+             ) -> scipy.sparse.csr_matrix:
+  """[N, V * blocks] log(1 + piece count), a text pair's second text in its own block
+  (and with overlap, a third: log(1 + min of the two counts) per shared piece)."""
   rows, cols, vals = [], [], []
+  pairs = any(e.text_pair is not None for e in dataset.examples)
   for n, example in enumerate(dataset.examples):
     texts = [example.text] + ([example.text_pair] if example.text_pair is not None else [])
+    bags = []
     for block, text in enumerate(texts):
       ids, counts = np.unique(tokenizer.encode(text), return_counts=True)
+      bags.append(dict(zip(ids.tolist(), counts.tolist())))
       rows += [n] * len(ids)
       cols += list(block * vocab_size + ids)
       vals += list(np.log1p(counts))
-  width = vocab_size * (2 if any(e.text_pair is not None for e in dataset.examples) else 1)
+    if overlap and len(bags) == 2:
+      shared = sorted(set(bags[0]) & set(bags[1]))
+      rows += [n] * len(shared)
+      cols += [2 * vocab_size + i for i in shared]
+      vals += [float(np.log1p(min(bags[0][i], bags[1][i]))) for i in shared]
+  width = vocab_size * ((3 if overlap else 2) if pairs else 1)
   return scipy.sparse.csr_matrix((vals, (rows, cols)), shape=(len(dataset.examples), width))
 
 
@@ -57,6 +75,77 @@ def fit(x: scipy.sparse.csr_matrix, y: np.ndarray, num_labels: int, l2: float,
   result = scipy.optimize.minimize(loss_and_grad, np.zeros((f + 1) * num_labels), jac=True,
                                    method="L-BFGS-B", options=dict(maxiter=max_iter))
   return result.x.reshape(f + 1, num_labels)
+
+
+def fit_ridge(x: scipy.sparse.csr_matrix, y: np.ndarray, l2: float,
+              max_iter: int = 500) -> np.ndarray:
+  """[F + 1, 1] weights (the last row the bias) minimising the mean squared error / 2 +
+  l2 / 2 * |W|^2 (the bias not penalised)."""
+  n, f = x.shape
+
+  def loss_and_grad(w):
+    residual = x @ w[:-1] + w[-1] - y
+    loss = 0.5 * (residual ** 2).sum() / n + 0.5 * l2 * (w[:-1] ** 2).sum()
+    grad = np.append(x.T @ residual / n + l2 * w[:-1], residual.sum() / n)
+    return loss, grad
+
+  start = np.append(np.zeros(f), y.mean())
+  result = scipy.optimize.minimize(loss_and_grad, start, jac=True, method="L-BFGS-B",
+                                   options=dict(maxiter=max_iter))
+  return result.x.reshape(f + 1, 1)
+
+
+class FittedBag:
+  """A bag of pieces fitted on a benchmark's train split (fit_on_train)."""
+
+  def __init__(self, w: np.ndarray, tokenizer, regression: bool, l2: float,
+               holdout_scores: dict):
+    self.w, self.tokenizer, self.regression = w, tokenizer, regression
+    self.l2, self.holdout_scores = l2, holdout_scores
+
+  def predict(self, dataset: Dataset) -> np.ndarray:
+    """[N] class indices (classification) or scores (regression)."""
+    x = _width(features(dataset, self.tokenizer, self.tokenizer.vocab_size, overlap=True),
+               self.w.shape[0] - 1)
+    out = x @ self.w[:-1] + self.w[-1]
+    return out[:, 0] if self.regression else np.argmax(out, axis=1)
+
+
+def fit_on_train(train: Dataset, tokenizer, regression: bool,
+                 score: Callable[[np.ndarray, np.ndarray], float],
+                 l2_grid: Sequence[float] = L2_GRID, holdout: float = 0.1,
+                 seed: int = 0) -> FittedBag:
+  """Fits on train - holdout at each penalty, keeps the one whose score(predicted, gold)
+  on the held-out part (a `holdout` fraction of train drawn by `seed`) is highest (the
+  larger penalty on a tie), refits on all of train."""
+  n = len(train.examples)
+  held = np.zeros(n, bool)
+  held[np.random.default_rng(seed).permutation(n)[:max(1, int(round(holdout * n)))]] = True
+  x = features(train, tokenizer, tokenizer.vocab_size, overlap=True)
+  y = np.array([e.label for e in train.examples], np.float64 if regression else np.int64)
+
+  def fitted(rows, l2):
+    if regression:
+      return fit_ridge(x[rows], y[rows], l2)
+    return fit(x[rows], y[rows], len(train.labels), l2)
+
+  scores = {}
+  for l2 in sorted(l2_grid, reverse=True):
+    bag = FittedBag(fitted(~held, l2), tokenizer, regression, l2, {})
+    out = x[held] @ bag.w[:-1] + bag.w[-1]
+    scores[l2] = float(score(out[:, 0] if regression else np.argmax(out, axis=1), y[held]))
+  # a score that cannot be computed (one held-out example, a constant prediction) loses
+  best = max(sorted(l2_grid, reverse=True),
+             key=lambda l2: scores[l2] if np.isfinite(scores[l2]) else -np.inf)
+  return FittedBag(fitted(np.ones(n, bool), best), tokenizer, regression, best, scores)
+
+
+def _width(x: scipy.sparse.csr_matrix, width: int) -> scipy.sparse.csr_matrix:
+  """x with `width` columns (a single-text split padded with empty pair blocks)."""
+  if x.shape[1] == width:
+    return x
+  return scipy.sparse.hstack([x, scipy.sparse.csr_matrix((x.shape[0], width - x.shape[1]))]
+                             ).tocsr()
 
 
 def accuracy(w: np.ndarray, x: scipy.sparse.csr_matrix, y: np.ndarray) -> float:

@@ -1,0 +1,259 @@
+"""The GLUE study: pretrained here against random initialisation against a bag of pieces,
+on GLUE's dev sets with the official metrics, for BERT and T5 (docs/glue.md).
+
+  python -m t5x_like.studies.glue_experiment --workdir workdir/glue_study \\
+      --data_dir glue_data --out docs/glue.md
+
+data_dir holds GLUE's own files (CoLA/train.tsv ..., as GLUE's download script lays them
+out) or a TFDS build. Every stage skips what an earlier call finished, so a call resumes
+an interrupted one:
+
+  corpus    the unlabeled text of the tasks' train splits (never dev or test), one
+            document per example, WORKDIR/corpus/tasks.jsonl: task-adaptive pretraining
+            (Gururangan et al. 2020), beside --books (the embedded corpus by default)
+  pretrain  `t5x-like train --config configs/{bert,t5}_cpu.py:glue` on the mixture
+            {books: 1 - task_text_rate, task text: task_text_rate} (WORKDIR/pretrain/FAMILY)
+  finetune  per family, arm (pretrained, random) and seed: `t5x-like finetune-suite
+            --config configs/glue.py:family=FAMILY,cpu` on --data_dir; seed 0 picks each
+            task's learning rate from --lr_grid on a held-out 10% of train (never dev),
+            the other seeds run at that rate (WORKDIR/runs/FAMILY/ARM/sS)
+  baseline  the bag of pieces (studies/bag_of_pieces.py fit_on_train: its penalty picked
+            on train) with the family's vocabulary, per task
+  tables    WORKDIR/results.jsonl (one row per run) and --out: each task's official dev
+            metrics, mean (range) over the seeds, per family and arm, the five-task
+            average (CoLA, SST-2, MRPC, STS-B, RTE; MRPC and STS-B as the mean of their
+            two metrics, as Turc et al. 2019 report them) and their BERT-Tiny and
+            BERT-Mini rows (GLUE test) for scale
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Optional
+
+import numpy as np
+from absl import flags
+
+from t5x_like.command_flags import FlagError, HelpShown, parse_flags_and_args, print_error
+from t5x_like.errors import UserError
+from t5x_like.studies.glue_tables import glue_markdown
+from t5x_like.studies.text_task_experiment import CONFIGS, log, t5x_like
+
+PROG = "python -m t5x_like.studies.glue_experiment"
+TASKS = ("cola", "sst2", "mrpc", "stsb", "rte", "wnli")
+ARMS = ("pretrained", "random")
+
+
+# --------------------------------------------------------------------------- stages
+def write_task_text(tasks: list[str], data_dir: str, workdir: str) -> str:
+  """WORKDIR/corpus/tasks.jsonl: {"text": ...} per training example of each task (a
+  pair's two texts joined, so NSP and span corruption see them together); the path."""
+  from t5x_like.benchmarks.registry import benchmark
+  from t5x_like.benchmarks.sources import open_examples
+  path = os.path.join(workdir, "corpus", "tasks.jsonl")
+  if os.path.exists(path):
+    return path
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    for task in tasks:
+      bench = benchmark(f"glue/{task}")
+      part = open_examples(bench, "train", data_dir)
+      for example in part.examples:
+        row = bench.record(example, False, part.label_names or ["0"])
+        text = " ".join(t.strip() for t in (row["text"], row.get("text_pair", "")) if t)
+        f.write(json.dumps({"text": text}) + "\n")
+  os.replace(path + ".tmp", path)
+  return path
+
+
+def pretrain(family: str, task_text: str, books: str, rate: float, steps: int,
+             workdir: str, smoke: bool) -> str:
+  """The pretraining run's workdir (trained when it has no .done marker)."""
+  out = os.path.join(workdir, "pretrain", family)
+  if not os.path.exists(out + ".done"):
+    mixture = {books: round(1 - rate, 6), f"jsonl:{task_text}": rate}
+    args = ["train", "--config", os.path.join(CONFIGS, f"{family}_cpu.py:"
+                                              + ("smoke" if smoke else "glue")),
+            "--workdir", out, f"--config.data.mixture={mixture!r}"]
+    if steps:
+      args.append(f"--config.train.num_steps={steps}")
+    log(f"pretrain {family} on {mixture}")
+    started = time.time()
+    t5x_like(*args, log_file=out + ".log")
+    log(f"pretrain {family}: {time.time() - started:.0f} s")
+    open(out + ".done", "w").close()
+  return out
+
+
+def suite_runs(family: str, arm: str, seed: int, tasks: list[str], checkpoint: str,
+               data_dir: str, lr_grid: list[str], picks: dict[str, str], workdir: str,
+               smoke: bool) -> dict[str, dict]:
+  """{task: final_metrics.json} of the arm's suite at one seed (run where missing):
+  with lr_grid, each task's rate picked on train; else each task at picks[task]."""
+  suite = os.path.join(workdir, "runs", family, arm, f"s{seed}")
+  arg = f"family={family}," + ("smoke" if smoke else "cpu")
+  common = ["finetune-suite", "--config", os.path.join(CONFIGS, f"glue.py:{arg}"),
+            f"--config.benchmark.data_dir={data_dir}", f"--config.seed={seed}"]
+  if arm == "random":  # the same architecture as the pretrained arm, no checkpoint
+    variant = "smoke" if smoke else "glue"
+    common.append(f"--config.init.config={os.path.join(CONFIGS, f'{family}_cpu.py:{variant}')}")
+  else:
+    common.append(f"--init={checkpoint}")
+  missing = [t for t in tasks if not os.path.exists(os.path.join(suite, t,
+                                                                 "final_metrics.json"))]
+  if missing:
+    started = time.time()
+    if lr_grid:
+      t5x_like(*common, "--workdir", suite, f"--tasks={','.join(missing)}",
+               f"--lr_grid={','.join(lr_grid)}", log_file=f"{suite}.log")
+    else:
+      for task in missing:  # each at its rate picked at the first seed
+        rate = [f"--config.optimizer.learning_rate={picks[task]}"] if picks.get(task) else []
+        t5x_like(*common, "--workdir", suite, f"--tasks={task}", *rate,
+                 log_file=f"{suite}_{task}.log")
+    log(f"{family} {arm} seed {seed}: {', '.join(missing)} in {time.time() - started:.0f} s")
+  out = {}
+  for task in tasks:
+    with open(os.path.join(suite, task, "final_metrics.json")) as f:
+      out[task] = json.load(f)
+    pick = os.path.join(suite, "lr_grid", task, "pick.json")
+    if os.path.exists(pick):
+      with open(pick) as f:
+        out[task]["lr_grid"] = json.load(f)
+  return out
+
+
+def baseline(family: str, task: str, data_dir: str, workdir: str, smoke: bool) -> dict:
+  """The bag of pieces' official dev metrics on one task (cached as JSON)."""
+  out = os.path.join(workdir, "baseline", family, f"{task}.json")
+  if not os.path.exists(out):
+    from t5x_like.command_flags import load_config_file
+    from t5x_like.finetune import metrics as metrics_lib
+    from t5x_like.finetune.backbone import load_backbone
+    from t5x_like.finetune.splits import load_splits, run_task
+    from t5x_like.studies.bag_of_pieces import fit_on_train
+    config = load_config_file(os.path.join(
+        CONFIGS, f"glue.py:{task},family={family}," + ("smoke" if smoke else "cpu")))
+    config.benchmark.data_dir = data_dir
+    config.benchmark.predict_test = False
+    config.init.config = config.init.default_config
+    splits = load_splits(config, run_task(config, False), text_to_text=False)
+    bench = splits.benchmark
+    regression = bench.kind == "regression"
+    main = bench.metrics[0]
+    score = {"pearson": metrics_lib.pearson, "mcc": metrics_lib.matthews_corrcoef,
+             "f1": lambda p, g: metrics_lib.binary_f1(p, g, bench.positive_label)
+             }.get(main, metrics_lib.accuracy)
+    started = time.time()
+    bag = fit_on_train(splits.train, load_backbone(config).tokenizer, regression, score)
+    official = {}
+    for name, dev in splits.dev.items():
+      predicted = bag.predict(dev)
+      labels = splits.train.labels
+      rows = [{"prediction": float(p) if regression else labels[int(p)],
+               "label": None if regression else labels[e.label]}
+              for p, e in zip(predicted, dev.examples)]
+      official.update(bench.official_metrics({name: rows}, labels, {name: dev.golds}))
+    result = {"official": {k: round(v, 3) for k, v in official.items()}, "l2": bag.l2,
+              "holdout_scores": {str(k): v for k, v in bag.holdout_scores.items()},
+              "seconds": round(time.time() - started, 1)}
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+      json.dump(result, f)
+  with open(out) as f:
+    return json.load(f)
+
+
+# --------------------------------------------------------------------------- the study
+def _flags(argv: list[str]) -> flags.FlagValues:
+  del argv
+  fv = flags.FlagValues()
+  flags.DEFINE_string("workdir", None, "where every stage writes", flag_values=fv)
+  flags.DEFINE_string("data_dir", None, "GLUE's files (CoLA/train.tsv ...) or a TFDS data"
+                      " dir", flag_values=fv)
+  flags.DEFINE_string("out", "", "also write the tables here (docs/glue.md)",
+                      flag_values=fv)
+  flags.DEFINE_list("families", ["bert", "t5"], "bert and/or t5", flag_values=fv)
+  flags.DEFINE_list("tasks", list(TASKS), "GLUE tasks", flag_values=fv)
+  flags.DEFINE_list("arms", list(ARMS), "pretrained and/or random", flag_values=fv)
+  flags.DEFINE_list("seeds", ["0", "1", "2"], "fine-tuning seeds", flag_values=fv)
+  flags.DEFINE_list("lr_grid", ["3e-4", "1e-4", "5e-5", "3e-5"], "learning rates (Turc et"
+                    " al. 2019's grid), picked per task and arm on train at the first seed",
+                    flag_values=fv)
+  flags.DEFINE_list("t5_lr_grid", ["3e-3", "1e-3", "3e-4", "1e-4"], "T5's grid",
+                    flag_values=fv)
+  flags.DEFINE_string("books", "embedded", "the general text beside the task text (a"
+                      " source spec)", flag_values=fv)
+  flags.DEFINE_float("task_text_rate", 0.7, "the task text's share of the pretraining"
+                     " mixture", flag_values=fv)
+  flags.DEFINE_integer("pretrain_steps", 0, "0 = the :glue config's", flag_values=fv)
+  flags.DEFINE_bool("smoke", False, "tiny configs and steps (tests)", flag_values=fv)
+  return fv
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+  a, _ = parse_flags_and_args("GLUE study", sys.argv[1:] if argv is None else argv, _flags,
+                              required=("workdir", "data_dir"), doc=__doc__,
+                              positionals="", prog=PROG)
+  unknown = (set(a.tasks) - set(TASKS) or set(a.families) - {"bert", "t5"}
+             or set(a.arms) - set(ARMS))
+  if unknown:
+    raise FlagError(f"--tasks, --families or --arms: unknown {sorted(unknown)}"
+                    f" (tasks: {', '.join(TASKS)})")
+  try:
+    seeds = [int(s) for s in a.seeds]
+  except ValueError as e:
+    raise FlagError(f"--seeds: {e}") from None
+  if not 0 < a.task_text_rate < 1:
+    raise FlagError(f"--task_text_rate {a.task_text_rate}: expected a number in (0, 1)")
+  workdir, data_dir = os.path.abspath(a.workdir), os.path.abspath(a.data_dir)
+  from t5x_like.benchmarks.registry import benchmark
+  from t5x_like.benchmarks.sources import check_benchmark
+  for task in a.tasks:  # every task's data before anything runs
+    check_benchmark(_benchmark_config(benchmark(f"glue/{task}").tfds_name, data_dir))
+  rows = []
+  task_text = write_task_text(list(a.tasks), data_dir, workdir)
+  for family in a.families:
+    checkpoint = (pretrain(family, task_text, a.books, a.task_text_rate, a.pretrain_steps,
+                           workdir, a.smoke) if "pretrained" in a.arms else "")
+    for task in a.tasks:
+      rows.append(dict(family=family, arm="bag", task=task, seed=0,
+                       **baseline(family, task, data_dir, workdir, a.smoke)))
+    grid = a.t5_lr_grid if family == "t5" else a.lr_grid
+    for arm in a.arms:
+      picks: dict[str, str] = {}
+      for seed in seeds:
+        runs = suite_runs(family, arm, seed, list(a.tasks), checkpoint, data_dir,
+                          grid if not picks else [], picks, workdir, a.smoke)
+        for task, m in runs.items():
+          picks.setdefault(task, m.get("lr_grid", {}).get("learning_rate", ""))
+          rows.append(dict(family=family, arm=arm, task=task, seed=seed,
+                           lr=picks[task], official=m["official"], step=m.get("step"),
+                           seconds=m.get("seconds"),
+                           submissions=m.get("submissions", [])))
+  with open(os.path.join(workdir, "results.jsonl"), "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+  text = glue_markdown(rows, list(a.tasks))
+  for path in [os.path.join(workdir, "tables.md")] + ([a.out] if a.out else []):
+    with open(path, "w") as f:
+      f.write(text)
+  print(text)
+  return 0
+
+
+def _benchmark_config(name: str, data_dir: str):
+  import ml_collections
+  return ml_collections.ConfigDict(dict(name=name, data_dir=data_dir, predict_test=True))
+
+
+if __name__ == "__main__":
+  try:
+    sys.exit(main())
+  except HelpShown:
+    sys.exit(0)
+  except UserError as e:
+    print_error(PROG, e, debug=False)
+    sys.exit(2)
