@@ -89,6 +89,16 @@ def test_tables_average_per_seed_and_margin():
   assert "58.1 |" in text and "58.9 |" in text
 
 
+def test_tables_replace_only_their_part_of_the_page(tmp_path):
+  from t5x_like.studies.glue_experiment import BEGIN, END, write_between_markers
+  page = tmp_path / "glue.md"
+  write_between_markers(str(page), "first\n")
+  assert page.read_text() == f"{BEGIN}\nfirst\n{END}"
+  page.write_text(f"# GLUE\nprose\n{BEGIN}\nold\n{END}\nmore prose\n")
+  write_between_markers(str(page), "new\n")
+  assert page.read_text() == f"# GLUE\nprose\n{BEGIN}\nnew\n{END}\nmore prose\n"
+
+
 @pytest.mark.slow
 def test_study_smoke_end_to_end(tmp_path):
   """The driver on small GLUE files: pretraining, both arms at two seeds (the second at

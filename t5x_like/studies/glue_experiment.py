@@ -174,8 +174,8 @@ def _flags(argv: list[str]) -> flags.FlagValues:
   flags.DEFINE_string("workdir", None, "where every stage writes", flag_values=fv)
   flags.DEFINE_string("data_dir", None, "GLUE's files (CoLA/train.tsv ...) or a TFDS data"
                       " dir", flag_values=fv)
-  flags.DEFINE_string("out", "", "also write the tables here (docs/glue.md)",
-                      flag_values=fv)
+  flags.DEFINE_string("out", "", "also write the tables into this page, between its"
+                      " markers (docs/glue.md)", flag_values=fv)
   flags.DEFINE_list("families", ["bert", "t5"], "bert and/or t5", flag_values=fv)
   flags.DEFINE_list("tasks", list(TASKS), "GLUE tasks", flag_values=fv)
   flags.DEFINE_list("arms", list(ARMS), "pretrained and/or random", flag_values=fv)
@@ -237,11 +237,26 @@ def main(argv: Optional[list[str]] = None) -> int:
   with open(os.path.join(workdir, "results.jsonl"), "w") as f:
     f.writelines(json.dumps(r) + "\n" for r in rows)
   text = glue_markdown(rows, list(a.tasks))
-  for path in [os.path.join(workdir, "tables.md")] + ([a.out] if a.out else []):
-    with open(path, "w") as f:
-      f.write(text)
+  with open(os.path.join(workdir, "tables.md"), "w") as f:
+    f.write(text)
+  if a.out:
+    write_between_markers(a.out, text)
   print(text)
   return 0
+
+
+BEGIN, END = "<!-- glue_experiment tables: begin -->", "<!-- glue_experiment tables: end -->"
+
+
+def write_between_markers(path: str, text: str) -> None:
+  """Puts text between BEGIN and END in the file at path (the rest of the page is
+  prose, kept), or writes the markers and text as a new file."""
+  old = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+  head, sep, rest = old.partition(BEGIN)
+  tail = rest.partition(END)[2] if sep else ""
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    f.write(f"{head}{BEGIN}\n{text}{END}{tail}")
+  os.replace(path + ".tmp", path)
 
 
 def _benchmark_config(name: str, data_dir: str):
