@@ -89,6 +89,12 @@ def test_tables_average_per_seed_and_margin():
   assert "58.1 |" in text and "58.9 |" in text
 
 
+def test_mixture_shares_the_task_text_by_square_root():
+  from t5x_like.studies.glue_experiment import pretraining_mixture
+  mixture = pretraining_mixture("embedded", {"a.jsonl": 900, "b.jsonl": 100}, 0.8)
+  assert mixture == {"embedded": 0.2, "jsonl:a.jsonl": 0.6, "jsonl:b.jsonl": 0.2}
+
+
 def test_tables_replace_only_their_part_of_the_page(tmp_path):
   from t5x_like.studies.glue_experiment import BEGIN, END, write_between_markers
   page = tmp_path / "glue.md"
@@ -127,7 +133,7 @@ def test_study_smoke_end_to_end(tmp_path):
                                   / "metrics.jsonl").readline())["learning_rate"]
       assert lr_logged <= float(r["lr"])
   # the corpus is train text only: no dev sentence of the files in it
-  corpus = open(work / "corpus" / "tasks.jsonl").read()
+  corpus = open(work / "corpus" / "rte.jsonl").read() + open(work / "corpus" / "stsb.jsonl").read()
   assert "Premise 3." in corpus and "He left." not in corpus and "A plane." not in corpus
   assert "| stsb | pearson |" in open(work / "tables.md").read()
   again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -9,10 +9,11 @@ out) or a TFDS build. Every stage skips what an earlier call finished, so a call
 an interrupted one:
 
   corpus    the unlabeled text of the tasks' train splits (never dev or test), one
-            document per example, WORKDIR/corpus/tasks.jsonl: task-adaptive pretraining
+            document per example, WORKDIR/corpus/TASK.jsonl: task-adaptive pretraining
             (Gururangan et al. 2020), beside --books (the embedded corpus by default)
   pretrain  `t5x-like train --config configs/{bert,t5}_cpu.py:glue` on the mixture
-            {books: 1 - task_text_rate, task text: task_text_rate} (WORKDIR/pretrain/FAMILY)
+            {books: 1 - task_text_rate, each task's text: task_text_rate shared by the
+            square root of its size} (WORKDIR/pretrain/FAMILY)
   finetune  per family, arm (pretrained, random) and seed: `t5x-like finetune-suite
             --config configs/glue.py:family=FAMILY,cpu` on --data_dir; seed 0 picks each
             task's learning rate from --lr_grid on a held-out 10% of train (never dev),
@@ -48,33 +49,45 @@ ARMS = ("pretrained", "random")
 
 
 # --------------------------------------------------------------------------- stages
-def write_task_text(tasks: list[str], data_dir: str, workdir: str) -> str:
-  """WORKDIR/corpus/tasks.jsonl: {"text": ...} per training example of each task (a
-  pair's two texts joined, so NSP and span corruption see them together); the path."""
+def write_task_text(tasks: list[str], data_dir: str, workdir: str) -> dict[str, int]:
+  """WORKDIR/corpus/TASK.jsonl: {"text": ...} per training example of each task (a
+  pair's two texts joined, so NSP and span corruption see them together); {path: the
+  number of documents}."""
   from t5x_like.benchmarks.registry import benchmark
   from t5x_like.benchmarks.sources import open_examples
-  path = os.path.join(workdir, "corpus", "tasks.jsonl")
-  if os.path.exists(path):
-    return path
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    for task in tasks:
+  out = {}
+  for task in tasks:
+    path = os.path.join(workdir, "corpus", f"{task}.jsonl")
+    if not os.path.exists(path):
+      os.makedirs(os.path.dirname(path), exist_ok=True)
       bench = benchmark(f"glue/{task}")
       part = open_examples(bench, "train", data_dir)
-      for example in part.examples:
-        row = bench.record(example, False, part.label_names or ["0"])
-        text = " ".join(t.strip() for t in (row["text"], row.get("text_pair", "")) if t)
-        f.write(json.dumps({"text": text}) + "\n")
-  os.replace(path + ".tmp", path)
-  return path
+      with open(path + ".tmp", "w", encoding="utf-8") as f:
+        for example in part.examples:
+          row = bench.record(example, False, part.label_names or ["0"])
+          text = " ".join(t.strip() for t in (row["text"], row.get("text_pair", "")) if t)
+          f.write(json.dumps({"text": text}) + "\n")
+      os.replace(path + ".tmp", path)
+    with open(path, encoding="utf-8") as f:
+      out[path] = sum(1 for _ in f)
+  return out
 
 
-def pretrain(family: str, task_text: str, books: str, rate: float, steps: int,
-             workdir: str, smoke: bool) -> str:
+def pretraining_mixture(books: str, task_text: dict[str, int], rate: float) -> dict:
+  """{source spec: rate}: books at 1 - rate; the tasks' text at rate, shared in
+  proportion to the square root of each task's documents (temperature-2 sampling, so
+  SST-2's 67k phrases do not drown the sentence pairs of STS-B, MRPC and RTE)."""
+  roots = {path: n ** 0.5 for path, n in task_text.items()}
+  mixture = {books: round(1 - rate, 6)}
+  mixture.update({f"jsonl:{path}": round(rate * r / sum(roots.values()), 6)
+                  for path, r in roots.items()})
+  return mixture
+
+
+def pretrain(family: str, mixture: dict, steps: int, workdir: str, smoke: bool) -> str:
   """The pretraining run's workdir (trained when it has no .done marker)."""
   out = os.path.join(workdir, "pretrain", family)
   if not os.path.exists(out + ".done"):
-    mixture = {books: round(1 - rate, 6), f"jsonl:{task_text}": rate}
     args = ["train", "--config", os.path.join(CONFIGS, f"{family}_cpu.py:"
                                               + ("smoke" if smoke else "glue")),
             "--workdir", out, f"--config.data.mixture={mixture!r}"]
@@ -215,10 +228,11 @@ def main(argv: Optional[list[str]] = None) -> int:
   for task in a.tasks:  # every task's data before anything runs
     check_benchmark(_benchmark_config(benchmark(f"glue/{task}").tfds_name, data_dir))
   rows = []
-  task_text = write_task_text(list(a.tasks), data_dir, workdir)
+  mixture = pretraining_mixture(a.books, write_task_text(list(a.tasks), data_dir, workdir),
+                                a.task_text_rate)
   for family in a.families:
-    checkpoint = (pretrain(family, task_text, a.books, a.task_text_rate, a.pretrain_steps,
-                           workdir, a.smoke) if "pretrained" in a.arms else "")
+    checkpoint = (pretrain(family, mixture, a.pretrain_steps, workdir, a.smoke)
+                  if "pretrained" in a.arms else "")
     for task in a.tasks:
       rows.append(dict(family=family, arm="bag", task=task, seed=0,
                        **baseline(family, task, data_dir, workdir, a.smoke)))
