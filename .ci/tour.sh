@@ -97,6 +97,17 @@ PY
 expect "$out" '"official": {"accuracy"'
 test -s workdir/glue_sst2_mock/submission/SST-2.tsv
 
+step "GLUE's own files: the main job's BERT on STS-B (a few rows in GLUE's layout stand in for glue_data/)"
+mkdir -p glue_data/STS-B
+header=$'index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2'
+{ echo "$header"$'\tscore'; for k in $(seq 0 39); do printf '%s\tmain-captions\tMSRvid\t2012test\t%04d\tnone\tnone\tA man plays a flute %s.\tA man is playing %s flutes.\t%s.0\n' "$k" "$k" "$k" "$((k % 3))" "$((k % 6))"; done; } > glue_data/STS-B/train.tsv
+head -9 glue_data/STS-B/train.tsv > glue_data/STS-B/dev.tsv
+{ echo "$header"; tail -n +2 glue_data/STS-B/dev.tsv | cut -f1-9; } > glue_data/STS-B/test.tsv
+$T finetune --config configs/glue.py:stsb,cpu --config.benchmark.data_dir=glue_data --workdir workdir/glue_stsb --config.init.checkpoint=workdir/bert | tee "$out"
+expect "$out" "config.py (saved by the train run in workdir/bert)"
+expect "$out" '"official": {"pearson"'
+test "$(wc -l < workdir/glue_stsb/submission/STS-B.tsv)" = 9
+
 step "plan, models, vocab"
 $T plan --config configs/bert_pretrain.py:base --topology v3-32 | tee "$out"
 expect "$out" "110,106,428"

@@ -38,10 +38,9 @@ from typing import Optional
 import numpy as np
 from absl import flags
 
-from t5x_like.command_flags import FlagError, HelpShown, parse_flags_and_args, print_error
-from t5x_like.errors import UserError
+from t5x_like.command_flags import FlagError, parse_flags_and_args
 from t5x_like.studies.glue_tables import glue_markdown
-from t5x_like.studies.text_task_experiment import CONFIGS, log, t5x_like
+from t5x_like.studies.text_task_experiment import CONFIGS, exit_with, log, t5x_like
 
 PROG = "python -m t5x_like.studies.glue_experiment"
 TASKS = ("cola", "sst2", "mrpc", "stsb", "rte", "wnli")
@@ -279,10 +278,4 @@ def _benchmark_config(name: str, data_dir: str):
 
 
 if __name__ == "__main__":
-  try:
-    sys.exit(main())
-  except HelpShown:
-    sys.exit(0)
-  except UserError as e:
-    print_error(PROG, e, debug=False)
-    sys.exit(2)
+  exit_with(main, PROG)

@@ -351,11 +351,17 @@ def parse_count(count: str) -> int:
   return 0 if count == "all" else int(count)
 
 
-if __name__ == "__main__":
+def exit_with(main_fn, prog: str) -> None:
+  """A study's __main__: exit with main_fn()'s status; --help exits 0, a UserError is
+  one line and exit 2."""
   try:
-    sys.exit(main())
+    sys.exit(main_fn())
   except HelpShown:
     sys.exit(0)
   except UserError as e:
-    print_error(PROG, e, debug=False)
+    print_error(prog, e, debug=False)
     sys.exit(2)
+
+
+if __name__ == "__main__":
+  exit_with(main, PROG)
