@@ -13,7 +13,8 @@ an interrupted one:
             (Gururangan et al. 2020), beside --books (the embedded corpus by default)
   pretrain  `t5x-like train --config configs/{bert,t5}_cpu.py:glue` on the mixture
             {books: 1 - task_text_rate, each task's text: task_text_rate shared by the
-            square root of its size} (WORKDIR/pretrain/FAMILY)
+            square root of its size} (WORKDIR/pretrain/FAMILY, FAMILY_Nsteps with
+            --pretrain_steps N)
   finetune  per family, arm (pretrained, random) and seed: `t5x-like finetune-suite
             --config configs/glue.py:family=FAMILY,cpu` on --data_dir; seed 0 picks each
             task's learning rate from --lr_grid on a held-out 10% of train (never dev),
@@ -84,8 +85,9 @@ def pretraining_mixture(books: str, task_text: dict[str, int], rate: float) -> d
 
 
 def pretrain(family: str, mixture: dict, steps: int, workdir: str, smoke: bool) -> str:
-  """The pretraining run's workdir (trained when it has no .done marker)."""
-  out = os.path.join(workdir, "pretrain", family)
+  """The pretraining run's workdir (trained when it has no .done marker; a changed
+  step count is another run, named by it)."""
+  out = os.path.join(workdir, "pretrain", family + (f"_{steps}steps" if steps else ""))
   if not os.path.exists(out + ".done"):
     args = ["train", "--config", os.path.join(CONFIGS, f"{family}_cpu.py:"
                                               + ("smoke" if smoke else "glue")),
