@@ -116,28 +116,29 @@ def fit_on_train(train: Dataset, tokenizer, regression: bool,
                  l2_grid: Sequence[float] = L2_GRID, holdout: float = 0.1,
                  seed: int = 0) -> FittedBag:
   """Fits on train - holdout at each penalty, keeps the one whose score(predicted, gold)
-  on the held-out part (a `holdout` fraction of train drawn by `seed`) is highest (the
-  larger penalty on a tie), refits on all of train."""
-  n = len(train.examples)
-  held = np.zeros(n, bool)
-  held[np.random.default_rng(seed).permutation(n)[:max(1, int(round(holdout * n)))]] = True
-  x = features(train, tokenizer, tokenizer.vocab_size, overlap=True)
-  y = np.array([e.label for e in train.examples], np.float64 if regression else np.int64)
+  on the held-out part is highest (the larger penalty on a tie), refits on all of train.
+  The held-out part is finetune/splits.hold_out's: the examples finetune-suite --lr_grid
+  holds out at the same fraction and seed."""
+  from t5x_like.finetune.splits import hold_out
+  rest, held = hold_out(train, holdout, seed)
 
-  def fitted(rows, l2):
-    if regression:
-      return fit_ridge(x[rows], y[rows], l2)
-    return fit(x[rows], y[rows], len(train.labels), l2)
+  def data(dataset):
+    return (features(dataset, tokenizer, tokenizer.vocab_size, overlap=True),
+            np.array([e.label for e in dataset.examples],
+                     np.float64 if regression else np.int64))
+
+  def fitted(dataset, l2):
+    x, y = data(dataset)
+    return fit_ridge(x, y, l2) if regression else fit(x, y, len(train.labels), l2)
 
   scores = {}
   for l2 in sorted(l2_grid, reverse=True):
-    bag = FittedBag(fitted(~held, l2), tokenizer, regression, l2, {})
-    out = x[held] @ bag.w[:-1] + bag.w[-1]
-    scores[l2] = float(score(out[:, 0] if regression else np.argmax(out, axis=1), y[held]))
+    bag = FittedBag(fitted(rest, l2), tokenizer, regression, l2, {})
+    scores[l2] = float(score(bag.predict(held), data(held)[1]))
   # a score that cannot be computed (one held-out example, a constant prediction) loses
   best = max(sorted(l2_grid, reverse=True),
              key=lambda l2: scores[l2] if np.isfinite(scores[l2]) else -np.inf)
-  return FittedBag(fitted(np.ones(n, bool), best), tokenizer, regression, best, scores)
+  return FittedBag(fitted(train, best), tokenizer, regression, best, scores)
 
 
 def _width(x: scipy.sparse.csr_matrix, width: int) -> scipy.sparse.csr_matrix:
@@ -160,9 +161,7 @@ def bag_of_pieces(train: Dataset, dev: Dataset, test: Dataset, tokenizer,
   x = {name: features(d, tokenizer, v) for name, d in
        (("train", train), ("dev", dev), ("test", test))}
   width = max(m.shape[1] for m in x.values())
-  x = {k: m if m.shape[1] == width else scipy.sparse.hstack(
-      [m, scipy.sparse.csr_matrix((m.shape[0], width - m.shape[1]))]).tocsr()
-       for k, m in x.items()}
+  x = {k: _width(m, width) for k, m in x.items()}
   y = {name: np.array([e.label for e in d.examples]) for name, d in
        (("train", train), ("dev", dev), ("test", test))}
   best = None
