@@ -46,6 +46,8 @@ EXIT_FINISHED = 0  # trained to the end (now or before)
 EXIT_FAILURE = 1  # e.g. a non-finite loss, a crash
 EXIT_USER_ERROR = 2  # t5x_like.errors.UserError: one line naming the key, file or path
 EXIT_INTERRUPTED = 130  # a second Ctrl-C: stopped at once, without saving
+EXIT_PEER_LOST = 75  # another process of a multi-host run was lost (EX_TEMPFAIL): rerun
+#   every worker; the run resumes from the last checkpoint every process committed
 
 
 def stopped_exit_code(signal_name: str) -> int:
