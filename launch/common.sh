@@ -161,6 +161,45 @@ remote_stop_command() {  # remote_stop_command PIDFILE
     " else echo \"\$(hostname): not running\"; fi; rm -f $1 $1.train"
 }
 
+# ------------------------------------------------------- supervised runs
+
+# ssh's keepalive: a host that vanishes ends its worker's ssh with 255 within about a
+# minute (a restart), instead of leaving the supervisor waiting on a dead connection.
+# shellcheck disable=SC2034  # (used by gpu.sh)
+SSH_KEEPALIVE=(-o ServerAliveInterval=15 -o ServerAliveCountMax=4)
+
+remote_supervised_command() {  # remote_supervised_command LOG PIDFILE ENV_PREFIX TRAIN_FLAG...
+  # In the foreground, for the supervisor's ssh: run `t5x-like train` once (its output
+  # appended to LOG, its pid in PIDFILE for the stop and kill commands) and return its
+  # exit status, which the supervisor decides on (launch/README.md, "Supervised runs").
+  local log=$1 pidfile=$2 env_prefix=$3
+  shift 3
+  printf '%s' "cd $REMOTE_PKG || exit 1; echo \"\$(date): supervised start\" >> $log;" \
+    " ${env_prefix}$VENV/bin/t5x-like train $(remote_words "$@") >> $log 2>&1 < /dev/null &" \
+    " echo \$! > $pidfile; wait \$!; rc=\$?; rm -f $pidfile;" \
+    " echo \"\$(date): t5x-like train exited \$rc\" >> $log; exit \$rc"
+}
+
+remote_signal_command() {  # remote_signal_command PIDFILE TERM|KILL: signal the supervised trainer
+  printf '%s' "if [ -f $1 ] && kill -$2 \"\$(cat $1)\" 2>/dev/null;" \
+    " then echo \"\$(hostname): sent SIG$2 to the trainer\";" \
+    " else echo \"\$(hostname): not running\"; fi"
+}
+
+run_supervisor() {  # run_supervisor SUPERVISOR_FLAG...: the supervisor, on this machine
+  # python3 -m t5x_like.supervisor (stdlib only: nothing to install here). DRY_RUN=1
+  # prints it, then runs its own dry run: the commands it would run, one restart
+  # simulated (SIMULATE=PROCESS:STATUS, default process 1 killed: 1:137).
+  local supervisor=(env PYTHONPATH="$REPO_ROOT" "${LOCAL_PYTHON:-python3}" -B -m t5x_like.supervisor
+    --max_restarts "${MAX_RESTARTS:-3}" --stop_grace_seconds "${STOP_GRACE_SECONDS:-60}"
+    --restart_delay_seconds "${RESTART_DELAY_SECONDS:-30}" "$@")
+  run_or_print "${supervisor[@]}"
+  if is_dry_run; then
+    "${supervisor[@]}" --dry_run ${SIMULATE:+--simulate "$SIMULATE"} ||
+      note "the supervisor would exit $?"
+  fi
+}
+
 collect_extra_args() {  # EXTRA=(EXTRA_ARGS split on whitespace, then "$@")
   EXTRA=()
   read -r -a EXTRA <<<"${EXTRA_ARGS:-}" || true

@@ -23,6 +23,9 @@ subcommands:
   setup    copy this repository to every host, make a venv, pip install jax[cuda12] + t5x_like
   run      start `t5x-like train` on every host in the background, process i on host i
            (ARGS: extra --config.key=value flags, appended to EXTRA_ARGS)
+  supervise  run `t5x-like train` on every host in the foreground, one ssh per host, from
+           a supervisor on this machine that restarts all of them when one is lost and
+           stops on a user error or a failure (ARGS as for run; Ctrl-C stops them all)
   logs     follow the training log of process $WORKER (default 0)
   stop     stop the training process on every host
 
@@ -37,6 +40,11 @@ variables (defaults in brackets):
   JAX_SPEC          [jax[cuda12]]   PYTHON [python3.11]   VENV [~/t5x_like_venv]
   SSH_FLAGS         extra ssh/scp options, e.g. '-o StrictHostKeyChecking=accept-new'
   WORKER            process index for logs [0]
+  MAX_RESTARTS      supervise: restarts before giving up [3]
+  STOP_GRACE_SECONDS, RESTART_DELAY_SECONDS   supervise: SIGTERM-to-SIGKILL wait [60],
+                    pause before a restart [30]
+  LOCAL_PYTHON      supervise: the python3 that runs the supervisor here [python3]
+  SIMULATE          supervise with DRY_RUN=1: PROCESS:STATUS the dry run ends once [1:137]
   DRY_RUN           1: print the commands, run nothing
 EOF
 }
@@ -72,6 +80,8 @@ on_host() {  # on_host HOST COMMAND
 log_file() { printf '~/t5x_like_train.process_%s.log' "$1"; }
 # shellcheck disable=SC2088
 pid_file() { printf '~/t5x_like_train.process_%s.pid' "$1"; }
+# shellcheck disable=SC2088
+supervised_pid_file() { printf '~/t5x_like_train.process_%s.supervised.pid' "$1"; }
 
 cmd_setup() {
   make_tarball "$TARBALL"
@@ -85,25 +95,56 @@ cmd_setup() {
 }
 
 cmd_run() {
+  check_gpu_run_settings
+  collect_extra_args "$@"
+  local i
+  for ((i = 0; i < NUM_PROCESSES; i++)); do
+    set_train_flags "$i"
+    on_host "${HOST_LIST[i]}" "$(remote_train_command "$(log_file "$i")" "$(pid_file "$i")" \
+      "$ENV_PREFIX" "${TRAIN_FLAGS[@]}")"
+  done
+}
+
+cmd_supervise() {
+  check_gpu_run_settings
+  collect_extra_args "$@"
+  local i train pidfile args=()
+  for ((i = 0; i < NUM_PROCESSES; i++)); do  # one ssh per host: the supervisor sees each status
+    pidfile=$(supervised_pid_file "$i")
+    set_train_flags "$i"
+    train=$(remote_supervised_command "$(log_file "$i")" "$pidfile" "$ENV_PREFIX" \
+      "${TRAIN_FLAGS[@]}")
+    args+=(--worker "$(host_ssh "$i" "$train")"
+      --stop "$(host_ssh "$i" "$(remote_signal_command "$pidfile" TERM)")"
+      --kill "$(host_ssh "$i" "$(remote_signal_command "$pidfile" KILL)")")
+  done
+  run_supervisor --workdir "$WORKDIR" "${args[@]}"
+}
+
+host_ssh() {  # host_ssh I COMMAND: the ssh line to host I, as one shell string
+  quote_words ssh "${SSH_KEEPALIVE[@]}" ${SSH_OPTS[@]+"${SSH_OPTS[@]}"} "${HOST_LIST[$1]}" "$2"
+}
+
+check_gpu_run_settings() {  # checks CONFIG and WORKDIR; sets ENV_PREFIX
   require CONFIG WORKDIR
   check_config
   if ((NUM_PROCESSES > 1)) && [[ $WORKDIR != gs://* ]]; then
     note "WORKDIR=$WORKDIR must be on a filesystem that every host shares (checkpoints are written collectively)"
   fi
-  collect_extra_args "$@"
-  local env_prefix='' i
+  ENV_PREFIX=''
+  local i
   if [[ -n ${GPUS_PER_NODE:-} ]]; then
     [[ $GPUS_PER_NODE =~ ^[1-9][0-9]*$ ]] || die "GPUS_PER_NODE=$GPUS_PER_NODE is not a positive number"
     local devices=0
     for ((i = 1; i < GPUS_PER_NODE; i++)); do devices+=",$i"; done
-    env_prefix="CUDA_VISIBLE_DEVICES=$devices "
+    ENV_PREFIX="CUDA_VISIBLE_DEVICES=$devices "
   fi
-  for ((i = 0; i < NUM_PROCESSES; i++)); do
-    on_host "${HOST_LIST[i]}" "$(remote_train_command "$(log_file "$i")" "$(pid_file "$i")" \
-      "$env_prefix" --config "$CONFIG" --workdir "$WORKDIR" \
-      --coordinator_address="$COORDINATOR_HOST:$COORDINATOR_PORT" \
-      --num_processes="$NUM_PROCESSES" --process_id="$i" ${EXTRA[@]+"${EXTRA[@]}"})"
-  done
+}
+
+set_train_flags() {  # set_train_flags I: TRAIN_FLAGS=(the flags of process I, EXTRA last)
+  TRAIN_FLAGS=(--config "$CONFIG" --workdir "$WORKDIR"
+    --coordinator_address="$COORDINATOR_HOST:$COORDINATOR_PORT"
+    --num_processes="$NUM_PROCESSES" --process_id="$1" ${EXTRA[@]+"${EXTRA[@]}"})
 }
 
 cmd_logs() {
@@ -127,10 +168,10 @@ main() {
   shift
   case $sub in
     -h | --help | help) usage; return 0 ;;
-    setup | run | logs | stop) ;;
+    setup | run | supervise | logs | stop) ;;
     *) usage_error "unknown subcommand: $sub" ;;
   esac
-  [[ $sub == run ]] || (($# == 0)) || usage_error "$sub takes no arguments (got: $*)"
+  [[ $sub == run || $sub == supervise ]] || (($# == 0)) || usage_error "$sub takes no arguments (got: $*)"
   load_settings
   "cmd_$sub" "$@"
 }

@@ -18,6 +18,8 @@ LIBTPU_FIND_LINKS=https://storage.googleapis.com/jax-releases/libtpu_releases.ht
 REMOTE_LOG='~/t5x_like_train.log'
 # shellcheck disable=SC2088
 REMOTE_PIDFILE='~/t5x_like_train.pid'
+# shellcheck disable=SC2088
+REMOTE_SUPERVISED_PIDFILE='~/t5x_like_train.supervised.pid'
 
 usage() {
   cat <<'EOF'
@@ -28,12 +30,16 @@ subcommands:
   setup    copy this repository to every worker, make a venv, pip install jax[tpu] + t5x_like
   run      start `t5x-like train` on every worker in the background (ARGS: extra
            --config.key=value flags, appended to EXTRA_ARGS)
+  supervise  run `t5x-like train` on every worker in the foreground, one ssh per worker,
+           from a supervisor on this machine that restarts all of them when one is lost
+           (preempted, killed, host gone) and stops on a user error or a failure
+           (ARGS as for run; Ctrl-C stops every worker, which saves)
   logs     follow the training log of worker $WORKER (default 0)
   stop     stop the training run on every worker
   status   show the state of the TPU / queued resource
   ssh      ssh into worker $WORKER (default 0); ARGS, if any, are run as a command
   delete   delete the TPU (or the queued resource, with --force)
-  all      create, setup, run, then logs
+  all      create, setup, run, then logs (SUPERVISE=1: create, setup, supervise)
 
 variables (defaults in brackets):
   ACCELERATOR      accelerator type, e.g. v3-8, v3-32, v4-64, v5p-128, v5litepod-16, v6e-8 (required)
@@ -49,6 +55,12 @@ variables (defaults in brackets):
   JAX_SPEC         [jax[tpu]]   PYTHON [python3.11]   VENV [~/t5x_like_venv]
   WORKER           worker index for logs and ssh [0]
   POLL_SECONDS     queued-resource poll interval [60]
+  SUPERVISE        1: `all` ends with supervise instead of run and logs
+  MAX_RESTARTS     supervise: restarts before giving up [3]
+  STOP_GRACE_SECONDS, RESTART_DELAY_SECONDS   supervise: SIGTERM-to-SIGKILL wait [60],
+                   pause before a restart [30]
+  LOCAL_PYTHON     supervise: the python3 that runs the supervisor here [python3]
+  SIMULATE         supervise with DRY_RUN=1: PROCESS:STATUS the dry run ends once [1:137]
   DRY_RUN          1: print the commands, run nothing
 EOF
 }
@@ -178,6 +190,27 @@ cmd_run() {
     "${flags[@]}" ${EXTRA[@]+"${EXTRA[@]}"})"
 }
 
+cmd_supervise() {
+  check_run_settings
+  collect_extra_args "$@"
+  local flags=(--config "$CONFIG" --workdir "$WORKDIR") args=() i train term kill
+  if ((MULTI_HOST)); then flags+=(--distributed=auto); fi
+  train=$(remote_supervised_command "$REMOTE_LOG" "$REMOTE_SUPERVISED_PIDFILE" '' \
+    "${flags[@]}" ${EXTRA[@]+"${EXTRA[@]}"})
+  term=$(remote_signal_command "$REMOTE_SUPERVISED_PIDFILE" TERM)
+  kill=$(remote_signal_command "$REMOTE_SUPERVISED_PIDFILE" KILL)
+  for ((i = 0; i < HOSTS; i++)); do  # one ssh per worker: the supervisor sees each status
+    args+=(--worker "$(worker_ssh "$i" "$train")" --stop "$(worker_ssh "$i" "$term")"
+      --kill "$(worker_ssh "$i" "$kill")")
+  done
+  run_supervisor --workdir "$WORKDIR" "${args[@]}"
+}
+
+worker_ssh() {  # worker_ssh WORKER COMMAND: the gcloud ssh line, as one shell string
+  quote_words gcloud compute tpus tpu-vm ssh "$TPU_NAME" --worker="$1" --command "$2" \
+    "${GCLOUD_FLAGS[@]}" --ssh-flag=-oServerAliveInterval=15 --ssh-flag=-oServerAliveCountMax=4
+}
+
 cmd_logs() { on_workers "${WORKER:-0}" "tail -n +1 -F $REMOTE_LOG"; }
 cmd_stop() { on_workers all "$(remote_stop_command "$REMOTE_PIDFILE")"; }
 
@@ -205,6 +238,10 @@ cmd_all() {
   check_run_settings  # fail before paying for a slice
   cmd_create
   cmd_setup
+  if is_true "${SUPERVISE:-0}"; then
+    cmd_supervise "$@"
+    return
+  fi
   cmd_run "$@"
   cmd_logs
 }
@@ -215,11 +252,11 @@ main() {
   shift
   case $sub in
     -h | --help | help) usage; return 0 ;;
-    create | setup | run | logs | stop | status | ssh | delete | all) ;;
+    create | setup | run | supervise | logs | stop | status | ssh | delete | all) ;;
     *) usage_error "unknown subcommand: $sub" ;;
   esac
   case $sub in
-    run | all | ssh) ;;
+    run | supervise | all | ssh) ;;
     *) (($# == 0)) || usage_error "$sub takes no arguments (got: $*)" ;;
   esac
   load_settings

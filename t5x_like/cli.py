@@ -32,6 +32,9 @@ _HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 COMMANDS = {
     "train": ("t5x_like.commands.train", "pretrain a config: --config FILE[:ARG] --workdir DIR"
               " [--config.KEY=VALUE ...]; reruns resume"),
+    "supervise": ("t5x_like.commands.supervise", "run N processes of train (or finetune)"
+                  " on this machine, restarting all when one is lost: --num_processes=N"
+                  " [--max_restarts=R] -- train FLAGS..."),
     "plan": ("t5x_like.commands.plan", "params, shardings, FLOPs, memory and time of a config on"
              " a topology, without running it: --config FILE[:ARG] [--topology v3-32 ...]"),
     "infer": ("t5x_like.commands.infer", "generate with, score by or fill masks with a trained"

@@ -28,7 +28,8 @@ BERT_POD = dict(CONFIG="configs/bert_pretrain.py:base", ACCELERATOR="v3-32",
 # Every variable the scripts read: cleared so that the caller's shell cannot leak in.
 SCRIPT_VARS = """DRY_RUN ACCELERATOR TPU_NAME QR_NAME ZONE RUNTIME_VERSION PROJECT CONFIG WORKDIR
   QUEUED SPOT PREEMPTIBLE RESERVED EXTRA_ARGS JAX_SPEC PYTHON VENV WORKER POLL_SECONDS TARBALL
-  HOSTS COORDINATOR_HOST COORDINATOR_PORT GPUS_PER_NODE SSH_FLAGS""".split()
+  HOSTS COORDINATOR_HOST COORDINATOR_PORT GPUS_PER_NODE SSH_FLAGS SUPERVISE MAX_RESTARTS
+  STOP_GRACE_SECONDS RESTART_DELAY_SECONDS LOCAL_PYTHON SIMULATE""".split()
 
 SEP = "\x1f"
 FAKE = r"""#!/usr/bin/env bash
@@ -45,6 +46,14 @@ if [[ "$*" == *"queued-resources describe"* ]]; then  # FAKE_STATES: one state p
   read -r -a states <<<"${FAKE_STATES:-ACTIVE}"
   if ((n > ${#states[@]})); then n=${#states[@]}; fi
   echo "${states[n - 1]}"
+fi
+if [[ "$*" == *"t5x-like train"* && "$*" =~ --worker=([0-9]+) ]]; then
+  statuses="$FAKE_LOG.worker_${BASH_REMATCH[1]}"  # one exit status per run of worker N
+  if [[ -s $statuses ]]; then
+    status=$(head -n 1 "$statuses")
+    sed -i 1d "$statuses"
+    exit "$status"
+  fi
 fi
 exit "${FAKE_EXIT:-0}"
 """
@@ -404,3 +413,116 @@ def test_worker_stop_ends_the_loop_and_the_trainer_without_a_rerun(sandbox):
   _wait_for(lambda: not os.path.exists(f"/proc/{trainer_pid}") or
             open(f"/proc/{trainer_pid}/stat").read().split()[2] == "Z")
   assert int((home / "runs").read_text()) == 1  # SIGTERM's 143 did not rerun it
+
+
+# ------------------------------------------------------------- supervised runs
+
+
+def _transcript(stdout):
+  """(the supervisor's command line, [(kind, line)] of its dry run): kind '+' a command
+  (read back by shlex), '#' a note."""
+  lines = stdout.splitlines()
+  first = next(i for i, line in enumerate(lines) if line.startswith("+ "))
+  rest = [("+", shlex.split(line[2:])) if line.startswith("+ ") else ("#", line[2:])
+          for line in lines[first + 1:]]
+  return shlex.split(lines[first][2:]), rest
+
+
+def test_tpu_supervise_dry_run_prints_the_commands_of_a_restart(sandbox):
+  out = sandbox.launch(TPU, "supervise", "--config.train.num_steps=10", DRY_RUN="1",
+                       check=True, **BERT_POD).stdout
+  supervisor, rest = _transcript(out)
+  assert supervisor[:5] == ["env", f"PYTHONPATH={REPO}", "python3", "-B", "-m"]
+  assert supervisor[5] == "t5x_like.supervisor"
+  assert _flag(supervisor, "--max_restarts") == "3"
+  assert _flag(supervisor, "--workdir") == "gs://my-bucket/bert-base"
+  assert supervisor.count("--worker") == supervisor.count("--kill") == 4  # v3-32: 4 hosts
+  commands = [line for kind, line in rest if kind == "+"]
+  notes = [line for kind, line in rest if kind == "#"]
+
+  def worker(cmd):
+    assert cmd[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "t5x-like-v3-32"]
+    assert "--ssh-flag=-oServerAliveInterval=15" in cmd  # a lost host ends its ssh
+    return int(cmd[6].removeprefix("--worker=")), _flag(cmd, "--command")
+
+  starts, stops, kills, again = (commands[:4], commands[4:7], commands[7:11], commands[11:])
+  assert len(commands) == 15
+  for i, cmd in enumerate(starts):
+    index, remote = worker(cmd)
+    assert index == i and remote == worker(again[i])[1]  # the restart runs the same
+    assert ("t5x-like train --config configs/bert_pretrain.py:base --workdir"
+            " gs://my-bucket/bert-base --distributed=auto --config.train.num_steps=10") in remote
+    assert "nohup" not in remote and "wait $!" in remote  # foreground: ssh returns its status
+    subprocess.run(["bash", "-n", "-c", remote], check=True)
+  assert [worker(c)[0] for c in stops] == [0, 2, 3]  # process 1 was the one lost
+  assert all("kill -TERM" in worker(c)[1] for c in stops)
+  assert [worker(c)[0] for c in kills] == [0, 1, 2, 3]  # SIGKILL what remains, every host
+  assert all("kill -KILL" in worker(c)[1] for c in kills)
+  assert ("supervisor: restart 1/3: process 1 exited 137 (killed by SIGKILL); resuming from"
+          " the last committed checkpoint") in notes
+  assert notes[-1] == "supervisor: finished: all 4 processes exited 0 (1 restart)"
+  assert sandbox.calls() == []
+  for name in ("home", "tmp", "cwd", "state"):
+    assert os.listdir(sandbox.root / name) == [], name
+
+
+def test_tpu_supervise_dry_run_of_a_user_error_gives_up(sandbox):
+  out = sandbox.launch(TPU, "supervise", DRY_RUN="1", SIMULATE="0:2", MAX_RESTARTS="5",
+                       check=True, **BERT_POD).stdout
+  _, rest = _transcript(out)
+  notes = [line for kind, line in rest if kind == "#"]
+  assert sum(kind == "+" and "t5x-like train" in " ".join(line) for kind, line in rest) == 4
+  assert "supervisor: gave up: process 0 exited 2: user error, not restarting" in notes
+  assert not any("restart 1/5" in n for n in notes)
+  assert notes[-1] == "the supervisor would exit 2"
+
+
+def test_tpu_all_with_supervise_ends_with_the_supervisor(sandbox):
+  out = sandbox.launch(TPU, "all", DRY_RUN="1", SUPERVISE="1", check=True, **BERT_POD).stdout
+  cmds = _commands(out)
+  supervisor = _index(cmds, 0, lambda c: c[:1] == ["env"], "the supervisor")
+  assert _index(cmds, 0, lambda c: c[3:5] == ["tpu-vm", "scp"], "setup") < supervisor
+  assert not any("tail" in " ".join(c) for c in cmds)  # no logs step: it runs in front
+
+
+def test_gpu_supervise_dry_run_two_hosts(sandbox):
+  out = sandbox.launch(GPU, "supervise", DRY_RUN="1", check=True, HOSTS="me@gpu-a,gpu-b",
+                       CONFIG="configs/bert_pretrain.py:base", WORKDIR="gs://b/run",
+                       GPUS_PER_NODE="2", SSH_FLAGS="-p 2222").stdout
+  _, rest = _transcript(out)
+  commands = [line for kind, line in rest if kind == "+"]
+  assert [c[:7] for c in commands[:2]] == [
+      ["ssh", "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4", "-p", "2222"]] * 2
+  assert [c[7] for c in commands] == ["me@gpu-a", "gpu-b", "me@gpu-a", "me@gpu-a", "gpu-b",
+                                      "me@gpu-a", "gpu-b"]
+  for i, cmd in enumerate(commands[:2]):
+    remote = cmd[8]
+    assert "CUDA_VISIBLE_DEVICES=0,1 ~/t5x_like_venv/bin/t5x-like train" in remote
+    assert ("--coordinator_address=gpu-a:1234 --num_processes=2 --process_id="
+            f"{i}") in remote
+    assert f"echo $! > ~/t5x_like_train.process_{i}.supervised.pid" in remote
+    assert f">> ~/t5x_like_train.process_{i}.log 2>&1" in remote
+    subprocess.run(["bash", "-n", "-c", remote], check=True)
+  assert "kill -TERM" in commands[2][8] and "process_0.supervised.pid" in commands[2][8]
+  assert sandbox.calls() == []
+
+
+def test_tpu_supervise_runs_restarts_and_finishes(sandbox):
+  """Not dry, against the fake gcloud: worker 1's ssh exits 137 once, so the supervisor
+  kills on every host, starts both again, and they exit 0."""
+  pod = dict(BERT_POD, ACCELERATOR="v3-16")  # 2 hosts
+  printed = {tuple(line) for kind, line in _transcript(sandbox.launch(
+      TPU, "supervise", DRY_RUN="1", check=True, **pod).stdout)[1] if kind == "+"}
+  (sandbox.root / "state" / "calls.worker_0").write_text("0\n0\n")
+  (sandbox.root / "state" / "calls.worker_1").write_text("137\n0\n")
+  proc = sandbox.launch(TPU, "supervise", RESTART_DELAY_SECONDS="0", STOP_GRACE_SECONDS="1",
+                        check=True, **pod)
+  assert ("supervisor: restart 1/3: process 1 exited 137 (killed by SIGKILL); resuming"
+          " from the last committed checkpoint") in proc.stderr
+  assert "supervisor: finished: all 2 processes exited 0 (1 restart)" in proc.stderr
+  calls = [tuple(c) for c in sandbox.calls()]
+  assert set(calls) <= printed  # everything it ran, the dry run printed
+  trains = [c for c in calls if "t5x-like train" in " ".join(c)]
+  kills = [c for c in calls if "kill -KILL" in " ".join(c)]
+  assert sorted(c[6] for c in trains) == ["--worker=0"] * 2 + ["--worker=1"] * 2
+  assert sorted(c[6] for c in kills) == ["--worker=0", "--worker=1"]
