@@ -62,6 +62,13 @@ def test_peer_lost_status_is_the_trainers():
   assert policy.EXIT_PEER_LOST == getattr(preemption, "EXIT_PEER_LOST", 75) == 75
 
 
+def test_the_supervisor_imports_neither_jax_nor_absl():
+  """The pod launchers run it with a laptop's bare python3."""
+  code = ("import sys, t5x_like.supervisor; bad = {'jax', 'absl', 'numpy', 'etils'} &"
+          " set(sys.modules); assert not bad, bad")
+  subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
+
+
 def test_restart_line_text():
   line = policy.restart_line(2, 5, 1, -9, policy.resume_text(20))
   assert line == ("supervisor: restart 2/5: process 1 exited 137 (killed by SIGKILL);"
