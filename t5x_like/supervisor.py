@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import os
+import pathlib
 import shlex
 import signal
 import subprocess
@@ -175,35 +176,33 @@ def last_committed_step(workdir: Optional[str],
 def _read_last_step(workdir: str) -> tuple[Optional[int], bool]:
   try:
     if "://" in workdir:
-      from etils import epath
+      from etils import epath  # pathlib's interface, for URLs
       root = epath.Path(workdir) / CHECKPOINTS
-      if not root.exists():
-        return None, True
-      names = [p.name for p in root.iterdir()]
-      path = lambda *parts: root.joinpath(*parts)  # noqa: E731
-      exists, isdir = (lambda p: p.exists()), (lambda p: p.is_dir())
-      read = lambda p: p.read_text()  # noqa: E731
     else:
-      root = os.path.join(workdir, CHECKPOINTS)
-      if not os.path.isdir(root):
-        return None, True
-      names = os.listdir(root)
-      path = lambda *parts: os.path.join(root, *parts)  # noqa: E731
-      exists, isdir = os.path.exists, os.path.isdir
-      read = lambda p: open(p).read()  # noqa: E731
-    for step in sorted((int(n) for n in names if n.isdigit()), reverse=True):
-      d = str(step)
-      if not exists(path(d, COMMIT_MARKER)) or not all(isdir(path(d, i)) for i in ITEMS):
-        continue
-      try:
-        writers = int(json.loads(read(path(d, MANIFEST.format(0))))["processes"])
-      except (OSError, ValueError, KeyError, TypeError):
-        continue
-      if all(exists(path(d, MANIFEST.format(k))) for k in range(1, writers)):
+      root = pathlib.Path(workdir) / CHECKPOINTS
+    if not root.is_dir():
+      return None, True
+    for step in sorted((int(p.name) for p in root.iterdir() if p.name.isdigit()),
+                       reverse=True):
+      if _committed(root / str(step)):
         return step, True
     return None, True
   except Exception:  # noqa: BLE001  (unreadable: the line says so; the trainer decides)
     return None, False
+
+
+def _committed(step_dir) -> bool:
+  """Orbax's commit marker, both items, and the checksum manifest of every writer (the
+  writer count is in process 0's manifest)."""
+  if not (step_dir / COMMIT_MARKER).exists():
+    return False
+  if not all((step_dir / item).is_dir() for item in ITEMS):
+    return False
+  try:
+    writers = int(json.loads((step_dir / MANIFEST.format(0)).read_text())["processes"])
+  except (OSError, ValueError, KeyError, TypeError):
+    return False
+  return all((step_dir / MANIFEST.format(k)).exists() for k in range(1, writers))
 
 
 # ------------------------------------------------------------ the supervisor
@@ -252,7 +251,7 @@ def supervise(specs_for: Callable[[int], list[WorkerSpec]], *, max_restarts: int
       log(f"supervisor: started {len(workers)} process{'es' if len(workers) > 1 else ''}"
           + (f" (pids {', '.join(map(str, pids))})" if pids else ""))
       ended = _first_end(workers, poll_s, stop)
-      if ended is None:
+      if ended is None and not stop.name:
         log(policy.finished_line(len(workers), restarts))
         return 0
       _stop_all(workers, stop_grace_s, poll_s, stop)
@@ -281,8 +280,8 @@ def supervise(specs_for: Callable[[int], list[WorkerSpec]], *, max_restarts: int
 
 
 def _first_end(workers, poll_s: float, stop: _SignalStop) -> Optional[tuple[int, int]]:
-  """(process, return code) of the first worker to end with a non-zero status, or
-  None once all exited 0 (or the supervisor was signalled: stop.name is set)."""
+  """(process, return code) of the first worker to end with a non-zero status; None
+  once all exited 0, or when the supervisor was signalled (stop.name is set)."""
   while not stop.name:
     codes = [w.poll() for w in workers]
     ended = [(i, c) for i, c in enumerate(codes) if c is not None and c != 0]
@@ -291,7 +290,7 @@ def _first_end(workers, poll_s: float, stop: _SignalStop) -> Optional[tuple[int,
     if all(c == 0 for c in codes):
       return None
     time.sleep(poll_s)
-  return (-1, 0)
+  return None
 
 
 def _stop_all(workers, grace_s: float, poll_s: float, stop: _SignalStop) -> None:

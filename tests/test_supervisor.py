@@ -166,6 +166,24 @@ def test_a_survivor_that_hangs_on_sigterm_is_killed_after_the_grace():
   assert 0.3 <= time.monotonic() - start < 5
 
 
+def test_ctrl_c_of_the_supervisor_stops_every_worker():
+  script = Script([None, None])
+
+  def start(spec, index):
+    worker = script(spec, index)
+    if index == 1:
+      signal.raise_signal(signal.SIGINT)  # as a Ctrl-C, once both run
+    return worker
+
+  lines = []
+  code = supervise(lambda r: [WorkerSpec(["a"]), WorkerSpec(["b"])], max_restarts=3,
+                   start=start, stop_grace_s=0, poll_s=0.001, log=lines.append)
+  assert code == 130 and len(script.started) == 1
+  assert [w.signals for w in script.started[0]] == [["SIGTERM"], ["SIGTERM"]]
+  assert lines[-1].startswith("supervisor: stopped by SIGINT")
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
 def test_dry_run_prints_the_restart_on_a_pod(capsys):
   args = []
   for i in range(3):
