@@ -293,6 +293,13 @@ def test_supervise_user_errors_exit_2(capsys, argv, words):
   assert words in err and "Traceback" not in err and len(err.strip().splitlines()) <= 2
 
 
+def test_supervise_help(capsys):
+  assert cli_main(["supervise", "--help"]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith("usage: t5x-like supervise [flags] -- train|finetune FLAGS...")
+  assert "--max_restarts" in out and "--stop_grace_seconds" in out
+
+
 def test_supervise_builds_one_command_per_process(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1 --xla_force_host_platform_device_count=8")
   env = supervise_command.worker_env(4)
