@@ -3,6 +3,11 @@
 Every process runs the same command; with --num_processes > 1 they meet at
 --coordinator_address (jax.distributed), or --distributed=auto lets jax detect the
 cluster (Cloud TPU pods, SLURM).
+
+A process lost once the run started (a host gone, a kill) stops the others within
+--peer_timeout seconds (jax's coordination-service heartbeat), each with one line naming
+it and the last committed checkpoint, and exit status 75: rerun every worker to resume
+(peer_guard.py, peer_loss.py; docs/checkpoints-and-faults.md, "A lost host").
 """
 
 from __future__ import annotations
@@ -15,6 +20,11 @@ from absl import flags
 
 from t5x_like.command_flags import FlagError
 
+# jax's own default is 100 s. Heartbeats come from a C++ thread of their own (no Python,
+# no GIL), so a busy but live process does not miss them; a lost one is noticed this long
+# after its last heartbeat.
+PEER_TIMEOUT_S = 30
+
 
 def define_distributed_flags(fv: flags.FlagValues) -> None:
   """--coordinator_address, --num_processes, --process_id, --distributed, --init_timeout."""
@@ -26,6 +36,9 @@ def define_distributed_flags(fv: flags.FlagValues) -> None:
                     flag_values=fv)
   flags.DEFINE_integer("init_timeout", 300, "seconds to wait for every process of a"
                        " multi-host run to connect before giving up", flag_values=fv)
+  flags.DEFINE_integer("peer_timeout", PEER_TIMEOUT_S, "seconds without a heartbeat from a"
+                       " process of a multi-host run before the others stop (exit 75: rerun"
+                       " every worker to resume)", flag_values=fv, lower_bound=1)
 
 
 class _StartWatchdog:
@@ -57,14 +70,17 @@ class _StartWatchdog:
 
 
 def initialize_distributed(fv: flags.FlagValues, command: str) -> None:
-  """jax.distributed.initialize for multi-process runs (CPU processes use gloo)."""
+  """jax.distributed.initialize for multi-process runs (CPU processes use gloo), behind
+  the peer guard (a lost process: one line, exit 75)."""
   import jax
   # jax's own timeout (which aborts the process) is set past the watchdog's.
   jax_timeout = int(fv.init_timeout) + 60
   if fv.distributed == "auto":
+    _guard_peers(fv, command, process_id=None, num_processes=None)
     watchdog = _StartWatchdog(fv.init_timeout, "the hosts of this cluster (auto-detected)",
                                command)
-    jax.distributed.initialize(initialization_timeout=jax_timeout)
+    jax.distributed.initialize(initialization_timeout=jax_timeout,
+                               heartbeat_timeout_seconds=int(fv.peer_timeout))
     watchdog.done()
     return
   if fv.num_processes <= 1:
@@ -73,9 +89,22 @@ def initialize_distributed(fv: flags.FlagValues, command: str) -> None:
     raise FlagError("--num_processes > 1 needs --coordinator_address")
   # Cross-process collectives of the CPU backend (multi-host tests); no effect on TPU/GPU.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  _guard_peers(fv, command, process_id=fv.process_id, num_processes=fv.num_processes)
   who = (f"the {fv.num_processes} processes (this is process {fv.process_id}; coordinator"
          f" {fv.coordinator_address})")
   watchdog = _StartWatchdog(fv.init_timeout, who, command)
   jax.distributed.initialize(fv.coordinator_address, num_processes=fv.num_processes,
-                             process_id=fv.process_id, initialization_timeout=jax_timeout)
+                             process_id=fv.process_id, initialization_timeout=jax_timeout,
+                             heartbeat_timeout_seconds=int(fv.peer_timeout))
   watchdog.done()
+
+
+def _guard_peers(fv: flags.FlagValues, command: str, process_id, num_processes) -> None:
+  """peer_guard.guard before jax starts (it forks); with --distributed=auto the process
+  index is learnt later, so the messages name no process id of their own."""
+  from t5x_like import peer_guard
+  workdir = fv.workdir if "workdir" in fv else None
+  peer_guard.guard(f"t5x-like {command}", process_id=-1 if process_id is None else process_id,
+                   num_processes=num_processes or 0,
+                   checkpoint_dir=os.path.join(workdir, "checkpoints") if workdir else None,
+                   debug="--debug" in sys.argv)

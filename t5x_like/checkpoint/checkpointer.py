@@ -37,7 +37,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from t5x_like import failpoints, fs
+from t5x_like import failpoints, fs, peer_loss
 from t5x_like.checkpoint import integrity, space
 from t5x_like.checkpoint.read_leftovers import quiet_read_leftovers
 from t5x_like.errors import UserError
@@ -159,7 +159,13 @@ class Checkpointer:
   def __enter__(self) -> "Checkpointer":
     return self
 
-  def __exit__(self, *exc) -> None:
+  def __exit__(self, kind, error, traceback) -> None:
+    if error is not None and peer_loss.from_exception(
+        error, jax.process_index(), jax.process_count()):
+      # A peer process is gone: the save in flight cannot finish (its barriers wait on
+      # the dead process) and the process exits 75 next (peer_guard); what it leaves is
+      # an unfinished step that a rerun sets aside.
+      return
     self.close()
 
   def latest_step(self) -> Optional[int]:
@@ -362,6 +368,9 @@ class _Sealing:
     try:
       failpoints.stall_save(self.step)  # a test's save still being written
       ckpt._manager.wait_until_finished()  # pylint: disable=protected-access
+      # A test's kill between orbax's commit and this host's checksums (T5X_LIKE_FAILPOINT
+      # =before_seal@STEP): the step must then be unfinished for every host.
+      failpoints.kill_at("before_seal", self.step)
       integrity.seal(path, jax.process_index(), jax.process_count())
     except BaseException as e:  # noqa: BLE001  (raised by `Checkpointer._settle`)
       self.error = e
