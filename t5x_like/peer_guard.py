@@ -99,7 +99,7 @@ class StderrFilter:
 
 def _may_start_log_line(text: bytes) -> bool:
   """Whether an unfinished line may become a glog line ('E1127 05:57:16.74...')."""
-  return text[:1] in (b"E", b"F") and (len(text) == 1 or text[1:5].isdigit())
+  return text[:1] in (b"W", b"E", b"F") and (len(text) == 1 or text[1:5].isdigit())
 
 
 def outcome(status: int, seen: bytes, command: str, process_id: int, num_processes: int,
@@ -178,7 +178,8 @@ def _watch_child(child: int, read_end: int, command: str, process_id: int,
     write((b"" if ends_line[0] else b"\n") + (line + "\n").encode())
   sys.stdout.flush()
   if code < 0:  # the child was killed: so is the parent, by the same signal
-    signal.signal(-code, signal.SIG_DFL)
+    if -code != signal.SIGKILL:
+      signal.signal(-code, signal.SIG_DFL)
     os.kill(os.getpid(), -code)
     code = 128 - code
   os._exit(code)  # pylint: disable=protected-access

@@ -30,10 +30,11 @@ from t5x_like.train.preemption import EXIT_PEER_LOST
 __all__ = ["EXIT_PEER_LOST", "PeerLoss", "lost_peer_line", "from_text", "from_exception",
            "last_committed_step"]
 
-# jax's C++ log lines (glog format) from the coordination service and its clients:
+# jax's C++ warning/error/fatal log lines (glog format) from the coordination service,
+# its clients and the preemption notice poller:
 # "E1127 05:57:16.740928   10314 coordination_service.cc:1549] ..."
 COORDINATION_LOG_LINE = re.compile(
-    rb"^[EF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ "
+    rb"^[WEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ "
     rb"(?:coordination\w*|client|service|preemption\w*)\.(?:cc|h):\d+\]")
 _UNHEALTHY = re.compile(r"stopped sending heartbeats\):\s*\n?((?:\s*\d+[,\s]*)+)")
 _TASK_TIMEOUT = re.compile(r"Task (\d+) heartbeat timeout")

@@ -26,6 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import ROOT, child_env, free_port, train_command  # noqa: E402
 
 CONFIG = "bert_cpu.py:smoke"
+# What a survivor's stderr must not show: jax's C++ abort, a Python traceback.
+NOISE = ("Check failure", "client.h", "coordination_service", "Traceback")
 STEPS_FLAGS = ("--config.train.num_steps=200", "--config.train.checkpoint_every=10")
 
 
@@ -62,8 +64,9 @@ def wait_for_commit(workdir: str, procs: list[subprocess.Popen], step: int,
 
 def kill_and_time(procs: list[subprocess.Popen], victim: int,
                   timeout: float = 300) -> list[dict]:
-  """SIGKILLs procs[victim]; [{process, seconds, status, last_line, stderr}] of each
-  survivor, seconds from the kill to its exit (None if it outlived `timeout`)."""
+  """SIGKILLs procs[victim]; [{process, seconds, status, last_line, stderr, clean}] of
+  each survivor: seconds from the kill to its exit (None if it outlived `timeout`), clean:
+  no NOISE on its stderr."""
   import threading
   outputs = {}
 
@@ -94,7 +97,8 @@ def kill_and_time(procs: list[subprocess.Popen], victim: int,
   for row in rows:
     err = outputs.get(row["process"], "")
     lines = [line for line in err.splitlines() if line.strip()]
-    row.update(last_line=lines[-1] if lines else "", stderr=err)
+    row.update(last_line=lines[-1] if lines else "", stderr=err,
+               clean=not any(noise in err for noise in NOISE))
   return rows
 
 
@@ -118,13 +122,17 @@ def main() -> int:
         row.update(kill=kill, victim=victim, processes=args.processes)
         rows.append(row)
         print(f"kill {kill}: victim {victim}, process {row['process']}: exit {row['status']}"
+              f"{'' if row['clean'] else ' (C++ log or traceback on stderr)'}"
               f" after {row['seconds'] if row['seconds'] is None else round(row['seconds'], 2)}"
               f" s: {row['last_line']}", flush=True)
-  times = [r["seconds"] for r in rows if r["seconds"] is not None]
-  if times:
-    print(f"{len(rows)} survivors of {args.kills} kills ({args.processes} processes): median"
-          f" {statistics.median(times):.2f} s, worst {max(times):.2f} s; exit statuses"
-          f" {sorted({r['status'] for r in rows})}")
+  for name, group in (("all", rows), ("process 0 (the coordinator) killed",
+                                      [r for r in rows if r["victim"] == 0]),
+                       ("another process killed", [r for r in rows if r["victim"] != 0])):
+    times = [r["seconds"] for r in group if r["seconds"] is not None]
+    if times:
+      print(f"{name}: {len(group)} survivors of {len({r['kill'] for r in group})} kills"
+            f" ({args.processes} processes): median {statistics.median(times):.2f} s, worst"
+            f" {max(times):.2f} s; exit statuses {sorted({r['status'] for r in group})}")
   if args.json:
     with open(args.json, "w") as f:
       json.dump([{k: v for k, v in r.items() if k != "stderr"} for r in rows], f, indent=1)

@@ -116,6 +116,14 @@ def test_the_last_committed_step_is_the_newest_every_process_sealed(tmp_path):
   assert peer_loss.last_committed_step(str(tmp_path)) == 10
 
 
+def test_hosts_restore_only_the_steps_every_host_lists():
+  """A restore is collective: a step one host's listing lacks is skipped by every host."""
+  import numpy as np
+  assert integrity.agreed_steps(np.array([[30, 20, 10], [20, 10, -1]])) == [20, 10]
+  assert integrity.agreed_steps(np.array([[10, 20], [20, 10]])) == [20, 10]
+  assert integrity.agreed_steps(np.array([[-1, -1], [10, -1]])) == []
+
+
 def test_the_parent_holds_back_jax_fatal_lines_and_passes_the_rest():
   filt = peer_guard.StderrFilter(hold_seconds=10)
   assert filt.feed(b"train:  5%|  | 10/200\r", now=0) == b"train:  5%|  | 10/200\r"
@@ -127,6 +135,10 @@ def test_the_parent_holds_back_jax_fatal_lines_and_passes_the_rest():
   assert filt.release_due(now=12) == HEARTBEAT_ABORT.encode() + b"later\n"  # lived on
   assert filt.feed(b"Epoch done\n", now=13) == b"Epoch done\n"
   assert HEARTBEAT_ABORT.encode() in filt.seen
+  warning = (b"W1127 06:17:12.096099   22071 preemption_sync_manager.cc:147] Failed to"
+             b" retrieve preemption notice from coordination service: UNAVAILABLE\n")
+  assert filt.feed(warning, now=14) == b"" and filt.held == warning
+  assert filt.feed(b"Warnings are words\n", now=30) == b""
   shown = peer_guard.StderrFilter(hold=False)  # --debug: everything passes
   assert shown.feed(COORDINATOR_ABORT.encode(), now=0) == COORDINATOR_ABORT.encode()
 
@@ -168,6 +180,8 @@ _GUARDED = textwrap.dedent("""\
       raise ValueError(sys.argv[3])
     if what == "exit":
       sys.exit(3)
+    if what == "kill":
+      os.kill(os.getpid(), signal.SIGKILL)
     if what == "term":
       signal.signal(signal.SIGTERM, lambda *_: (sys.stderr.write("got SIGTERM\\n"), os._exit(143)))
       time.sleep(30)
@@ -211,6 +225,8 @@ def test_a_guarded_child_keeps_its_status_output_and_signals(tmp_path):
   assert (code, err) == (143, "a normal line\ngot SIGTERM\n")
   code, _, err = _guarded(tmp_path, "abort", "F1127 05:54:44.72 9541 other.cc:1] not ours\n")
   assert code == -signal.SIGABRT and "not ours" in err
+  code, _, err = _guarded(tmp_path, "kill")
+  assert (code, err) == (-signal.SIGKILL, "a normal line\n")
 
 
 # ------------------------------------------------------------ real processes (slow)

@@ -222,7 +222,7 @@ class Checkpointer:
     self.wait()
     self._manager.reload()
     skipped, unreadable = [], []
-    for step in sorted(self._manager.all_steps(), reverse=True):
+    for step in self._steps_every_host_lists():
       try:
         restored = self.restore(step, abstract_state)
       except CorruptCheckpointError as e:
@@ -246,6 +246,24 @@ class Checkpointer:
           + "; ".join(f"step {bad}: {e}" for bad, e in unreadable) + "); "
           "move the broken step directories aside to start over")
     return None
+
+  def _steps_every_host_lists(self) -> list[int]:
+    """The steps on disk, newest first, that every host lists. Each host lists the
+    directory itself; one listing that misses or adds a step (a listing racing a write,
+    a stale cache) would send the hosts to different steps, and a restore is collective:
+    a step not every host sees is skipped by all (and left alone)."""
+    steps = sorted(self._manager.all_steps(), reverse=True)
+    if jax.process_count() == 1:
+      return steps
+    width = _max_over_hosts(len(steps))
+    if width == 0:
+      return []
+    agreed = integrity.agreed_steps(
+        integrity.gather_over_hosts(steps + [-1] * (width - len(steps))))
+    if set(agreed) != set(steps):
+      log.warning("checkpoints in %s: skipping step(s) %s, not listed by every host",
+                  self.directory, sorted(set(steps) - set(agreed)))
+    return agreed
 
   def _quarantine(self, step: int) -> None:
     """Renames `<step>/` aside (process 0) so it is neither listed nor overwritten."""

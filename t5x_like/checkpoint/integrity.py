@@ -152,6 +152,16 @@ def gather_over_hosts(values: list[int]) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(row)).reshape(jax.process_count(), -1)
 
 
+def agreed_steps(rows: np.ndarray) -> list[int]:
+  """The steps in every row of `rows` ([hosts, n] int: each host's steps, padded with
+  -1), newest first."""
+  common = None
+  for row in np.asarray(rows).reshape(len(rows), -1):
+    steps = {int(s) for s in row if s >= 0}
+    common = steps if common is None else common & steps
+  return sorted(common or (), reverse=True)
+
+
 # ------------------------------------------------------------------------------ save
 def seal(step_dir: epath.Path, process: int, process_count: int) -> None:
   """Hashes the files of committed `step_dir` that `process` owns; writes its manifest."""
