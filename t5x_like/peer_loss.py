@@ -5,8 +5,10 @@ cannot go on (every step is a collective over all of them) and must stop so that
 launcher can rerun every worker, which resumes from the last checkpoint all processes
 committed. They learn it one of three ways, each recognised here from its text:
 
-  a collective fails           gloo (the CPU backend): "Connection closed by peer", at
-                               once, in the process that was talking to the dead one
+  a collective fails           gloo (the CPU backend): "Connection closed by peer" (or
+                               the dead peer's bytes read as the wrong collective's,
+                               which gloo ends in C++), at once, in a process that was
+                               talking to the dead one
   the coordinator is gone      process 0 hosts jax's coordination service: every other
                                process's client fails its next RPC ("Failed to send RPC
                                to coordination service") and jax aborts it in C++
@@ -35,13 +37,20 @@ __all__ = ["EXIT_PEER_LOST", "PeerLoss", "lost_peer_line", "from_text", "from_ex
 # "E1127 05:57:16.740928   10314 coordination_service.cc:1549] ..."
 COORDINATION_LOG_LINE = re.compile(
     rb"^[WEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ "
-    rb"(?:coordination\w*|client|service|preemption\w*)\.(?:cc|h):\d+\]")
+    rb"(?:coordination\w*|client|service|preemption\w*)\.(?:cc|h):\d+\]"
+    # gloo's own end: an exception of its TCP transport that nothing caught.
+    rb"|^terminate called after throwing an instance of 'gloo::")
 _UNHEALTHY = re.compile(r"stopped sending heartbeats\):\s*\n?((?:\s*\d+[,\s]*)+)")
 _TASK_TIMEOUT = re.compile(r"Task (\d+) heartbeat timeout")
 _COORDINATOR_GONE = ("Failed to send RPC to coordination service",
                      "leader task was preempted/died")
-_COLLECTIVE_BROKEN = re.compile(r"Gloo \w+ failed: .*?(Connection closed by peer|"
-                                r"Connection reset by peer|Broken pipe)")
+# gloo's TCP transport: a peer's socket closed, or (seen on a survivor when the other
+# process was SIGKILLed mid-collective) bytes of the dead peer's next collective read
+# as this one's. Both only after a process died; a real mismatch of collectives would
+# fail every multi-process run (tests/test_train.py runs one).
+_COLLECTIVE_BROKEN = re.compile(
+    r"(?:Gloo \w+ failed: |gloo/transport/tcp/pair\.cc:\d+\] ).*?(Connection closed by peer|"
+    r"Connection reset by peer|Broken pipe|Received data size doesn't match expected size)")
 
 
 class PeerLoss(NamedTuple):

@@ -41,6 +41,10 @@ COORDINATOR_ABORT = textwrap.dedent("""\
     """)
 GLOO_ERROR = ("UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:547]"
               " Connection closed by peer [127.0.0.1]:27358")
+GLOO_TERMINATE = textwrap.dedent("""\
+    terminate called after throwing an instance of 'gloo::EnforceNotMet'
+      what():  [enforce fail at external/gloo/gloo/transport/tcp/pair.cc:459] op.preamble.length <= op.nbytes. 1024 vs 16. Received data size doesn't match expected size. Is there a distributed collective mismatch in your code?
+    """)
 LINE = re.compile(r"^t5x-like train: lost contact with process (\d) \((.+)\); last committed"
                   r" checkpoint: step (\d+); exit 75: rerun on every worker to resume$")
 
@@ -71,6 +75,8 @@ def test_the_line_names_the_process_how_and_the_step():
     (COORDINATOR_ABORT, 1, 2, (0, "the coordinator stopped answering")),
     (GLOO_ERROR, 0, 2, (1, "collective failed: connection closed by peer")),
     (GLOO_ERROR, 1, 4, (None, "collective failed: connection closed by peer")),
+    (GLOO_TERMINATE, 1, 2,
+     (0, "collective failed: received data size doesn't match expected size")),
     ("ValueError: non-finite loss at step 3", 0, 2, None),
     ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate", 1, 2, None),
 ])
@@ -139,6 +145,8 @@ def test_the_parent_holds_back_jax_fatal_lines_and_passes_the_rest():
              b" retrieve preemption notice from coordination service: UNAVAILABLE\n")
   assert filt.feed(warning, now=14) == b"" and filt.held == warning
   assert filt.feed(b"Warnings are words\n", now=30) == b""
+  gloo = peer_guard.StderrFilter()
+  assert gloo.feed(GLOO_TERMINATE.encode(), now=0) == b"" and gloo.held
   shown = peer_guard.StderrFilter(hold=False)  # --debug: everything passes
   assert shown.feed(COORDINATOR_ABORT.encode(), now=0) == COORDINATOR_ABORT.encode()
 
