@@ -15,6 +15,7 @@ from typing import Optional
 import jax
 import ml_collections
 
+from t5x_like import failpoints
 from t5x_like.data.loader import make_loader
 from t5x_like.data.mixture import Mixture, eval_sets, exhaustion_step
 from t5x_like.experiment import (build_data, build_mesh, build_model_from_config,
@@ -129,7 +130,7 @@ def train(config: ml_collections.ConfigDict, workdir, *,
         out: dict[str, float] = {}
         overall: dict[str, float] = {}
         for name, objective, weight in sets:
-          means = mean_eval_metrics(state, objective)
+          means = mean_eval_metrics(state, objective, step)
           if len(sets) > 1:
             out.update({f"eval_{name}/{k}": v for k, v in means.items()})
           for k, v in means.items():
@@ -139,10 +140,12 @@ def train(config: ml_collections.ConfigDict, workdir, *,
           overall["perplexity"] = ppl
         return {**{f"eval_{k}": v for k, v in overall.items()}, **out}
 
-      def mean_eval_metrics(state, objective) -> dict:
+      def mean_eval_metrics(state, objective, step: int) -> dict:
         eval_batches = iter(make_loader(objective, tc.batch_size, seed=config.seed + 1))
         sums: dict[str, float] = {}
-        for _ in range(tc.eval_batches):
+        for i in range(tc.eval_batches):
+          if i == 1:
+            failpoints.kill_at("during_eval", step)  # the kill matrix (tests/kill_matrix.py)
           metrics = jax.device_get(eval_step(state.params,
                                              shard_batch(next(eval_batches), mesh, rules)))
           for k, v in metrics.items():

@@ -103,9 +103,11 @@ def run_steps(loop: StepLoop, state, step: int, until_step: int):
 
   eval_metrics: dict = {}
   interval_start, interval_steps = time.perf_counter(), 0
+  failpoints.kill_soon("first_compile", step + 1)  # the kill matrix (tests/kill_matrix.py)
   while step < until_step:
     state, metrics = loop.train_step(state, next(loop.batches), loop.rng)
     step += 1
+    failpoints.kill_at("in_step", step)  # dispatched, not finished
     failpoints.interrupt_at(step)
     checkpointer.poll()  # a save that failed in the background stops the run now
     interval_steps += 1
