@@ -103,7 +103,9 @@ def _guard_peers(fv: flags.FlagValues, command: str, process_id, num_processes) 
   """peer_guard.guard before jax starts (it forks); with --distributed=auto the process
   index is learnt later, so the messages name no process id of their own."""
   from t5x_like import peer_guard
-  workdir = fv.workdir if "workdir" in fv else None
+  # train and finetune keep their checkpoints in WORKDIR/checkpoints (run_context.py);
+  # finetune-suite has one workdir per task: its line names no step.
+  workdir = fv.workdir if command in ("train", "finetune") and "workdir" in fv else None
   peer_guard.guard(f"t5x-like {command}", process_id=-1 if process_id is None else process_id,
                    num_processes=num_processes or 0,
                    checkpoint_dir=os.path.join(workdir, "checkpoints") if workdir else None,

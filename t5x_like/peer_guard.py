@@ -117,7 +117,7 @@ def outcome(status: int, seen: bytes, command: str, process_id: int, num_process
   if loss is None:
     return code, None
   return peer_loss.EXIT_PEER_LOST, peer_loss.lost_peer_line(
-      command, loss, peer_loss.last_committed_step(checkpoint_dir))
+      command, loss, peer_loss.last_committed_step(checkpoint_dir), checkpoint_dir is not None)
 
 
 def guard(command: str, *, process_id: int, num_processes: int, checkpoint_dir,
@@ -213,7 +213,8 @@ def _install_excepthook(command: str, process_id: int, num_processes: int, check
     if debug:
       previous(kind, error, traceback)
     line = peer_loss.lost_peer_line(command, loss,
-                                    peer_loss.last_committed_step(checkpoint_dir))
+                                    peer_loss.last_committed_step(checkpoint_dir),
+                                    checkpoint_dir is not None)
     print(("\n" if _progress_bar_open() else "") + line, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(peer_loss.EXIT_PEER_LOST)  # pylint: disable=protected-access

@@ -61,12 +61,16 @@ class PeerLoss(NamedTuple):
   how: str
 
 
-def lost_peer_line(command: str, loss: PeerLoss, last_step: Optional[int]) -> str:
-  """The one line a survivor prints on stderr before exiting 75."""
+def lost_peer_line(command: str, loss: PeerLoss, last_step: Optional[int],
+                   checkpoints_known: bool = True) -> str:
+  """The one line a survivor prints on stderr before exiting 75. checkpoints_known:
+  whether `last_step` was read from the run's checkpoint directory (a command with
+  several, finetune-suite, names none)."""
   who = "another process" if loss.lost is None else f"process {loss.lost}"
   step = "none (a rerun starts over)" if last_step is None else f"step {last_step}"
-  return (f"{command}: lost contact with {who} ({loss.how}); last committed checkpoint:"
-          f" {step}; exit {EXIT_PEER_LOST}: rerun on every worker to resume")
+  return (f"{command}: lost contact with {who} ({loss.how});"
+          + (f" last committed checkpoint: {step};" if checkpoints_known else "")
+          + f" exit {EXIT_PEER_LOST}: rerun on every worker to resume")
 
 
 def from_text(text: str, process_id: int, num_processes: int) -> Optional[PeerLoss]:

@@ -65,6 +65,10 @@ def test_the_line_names_the_process_how_and_the_step():
                                      peer_loss.PeerLoss(None, "collective failed: x"), None)
   assert "lost contact with another process (collective failed: x)" in unknown
   assert "last committed checkpoint: none (a rerun starts over)" in unknown
+  suite = peer_loss.lost_peer_line("t5x-like finetune-suite", peer_loss.PeerLoss(0, "h"),
+                                   None, checkpoints_known=False)
+  assert suite == ("t5x-like finetune-suite: lost contact with process 0 (h); exit 75:"
+                   " rerun on every worker to resume")
 
 
 @pytest.mark.parametrize("text, me, count, want", [
