@@ -161,15 +161,25 @@ def _watch_child(child: int, read_end: int, command: str, process_id: int,
       _write(stderr, data)
       ends_line[0] = data.endswith((b"\n", b"\r"))
 
+  status, timeout = None, 1.0
   while True:
-    ready, _, _ = select.select([read_end], [], [], 1.0)
+    ready, _, _ = select.select([read_end], [], [], timeout)
     if ready:
       data = os.read(read_end, 65536)
       if not data:
         break
       write(filt.feed(data, time.monotonic()))
+    elif status is not None:  # the child is gone and its stderr drained
+      break
     write(filt.release_due(time.monotonic()))
-  _, status = os.waitpid(child, 0)
+    if status is None:
+      # A process the child started (a data worker) may keep the pipe open past the
+      # child's end: its end is what counts.
+      ended, wait_status = os.waitpid(child, os.WNOHANG)
+      if ended:
+        status, timeout = wait_status, 0.2
+  if status is None:
+    _, status = os.waitpid(child, 0)
   held = filt.rest()
   code, line = outcome(status, filt.seen, command, process_id, num_processes, checkpoint_dir)
   if line is None or debug:

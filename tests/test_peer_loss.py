@@ -194,6 +194,8 @@ _GUARDED = textwrap.dedent("""\
       sys.exit(3)
     if what == "kill":
       os.kill(os.getpid(), signal.SIGKILL)
+    if what == "grandchild":  # keeps the stderr pipe open past the child's end
+      import subprocess; subprocess.Popen(["sleep", "30"]); sys.exit(4)
     if what == "term":
       signal.signal(signal.SIGTERM, lambda *_: (sys.stderr.write("got SIGTERM\\n"), os._exit(143)))
       time.sleep(30)
@@ -239,6 +241,11 @@ def test_a_guarded_child_keeps_its_status_output_and_signals(tmp_path):
   assert code == -signal.SIGABRT and "not ours" in err
   code, _, err = _guarded(tmp_path, "kill")
   assert (code, err) == (-signal.SIGKILL, "a normal line\n")
+  start = time.monotonic()
+  proc = subprocess.Popen([sys.executable, "-c", _GUARDED, "grandchild", str(tmp_path)],
+                          cwd=ROOT, stderr=subprocess.PIPE)
+  assert proc.wait(timeout=20) == 4 and time.monotonic() - start < 15
+  proc.stderr.close()
 
 
 # ------------------------------------------------------------ real processes (slow)
