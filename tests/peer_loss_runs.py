@@ -2,7 +2,7 @@
 
   .venv/bin/python tests/peer_loss_runs.py --processes 2 --kills 5 [--victim random]
 
-Each kill: N processes of 4 fake CPU devices train configs/bert_cpu.py:smoke (200 steps, a
+Each kill: N processes of 8/N fake CPU devices train configs/bert_cpu.py:smoke (200 steps, a
 checkpoint every 10); once the checkpoint of step 10 is committed by every process, one
 process (random, or --victim) is SIGKILLed and every survivor is timed from the kill to its
 exit. Prints one row per survivor and the median and worst over all of them; --json FILE
@@ -33,11 +33,12 @@ STEPS_FLAGS = ("--config.train.num_steps=200", "--config.train.checkpoint_every=
 
 def start_run(workdir: str, processes: int, *extra: str, env_per_process=None,
               steps_flags=STEPS_FLAGS) -> list[subprocess.Popen]:
-  """`t5x-like train` as `processes` processes of 4 fake devices each (stderr piped)."""
+  """`t5x-like train` as `processes` processes sharing 8 fake devices (4 each for 2, 2
+  each for 4: the smoke config's batch of 8 over them); stderr piped."""
   port = free_port()
   procs = []
   for i in range(processes):
-    env = child_env(devices=4, **((env_per_process or {}).get(i, {})))
+    env = child_env(devices=max(1, 8 // processes), **((env_per_process or {}).get(i, {})))
     procs.append(subprocess.Popen(
         train_command(CONFIG, workdir, *steps_flags, *extra,
                       f"--coordinator_address=localhost:{port}",
