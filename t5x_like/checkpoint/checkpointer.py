@@ -18,6 +18,10 @@ for a human; a later save of that step does not collide). Unfinished saves
 very step again or when a full disk interrupted them. Anything else in the directory is
 not ours: left alone and reported, and refused outright when it has a step's name (a
 save would collide with it).
+Multi-host, every host checks the same directory and the hosts agree (allgathers) on
+the steps listed and on each verdict, so a step that one host sealed and another did not
+(a host lost mid-save) is skipped by all; steps past `keep` are deleted only once every
+host has sealed the newer one, so the step before is still there.
 Before each save the free space is compared with what the save writes: a full disk is a
 one-line CheckpointSpaceError, never a half-written step in place of a good one.
 """
