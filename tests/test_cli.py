@@ -40,6 +40,11 @@ HELP_COMMANDS = ["train", "plan", "infer", "finetune", "models", "vocab", "vocab
                  "data prepare"]
 
 
+# `python3 -m t5x_like.supervisor` is no t5x-like command: the pod launchers run it on
+# the user's laptop, which may have no absl (it stays stdlib-only: test_supervisor.py).
+ARGPARSE_ALLOWED = {"supervisor.py"}
+
+
 def test_no_module_imports_argparse():
   """Every command takes absl flags through t5x_like/command_flags.py (issue 30)."""
   import os
@@ -53,7 +58,7 @@ def test_no_module_imports_argparse():
         with open(path) as f:
           if re.search(r"^\s*(import argparse|from argparse import)", f.read(), re.M):
             offenders.append(os.path.relpath(path, root))
-  assert not offenders, offenders
+  assert sorted(set(offenders) - ARGPARSE_ALLOWED) == [], offenders
 
 
 @pytest.mark.parametrize("command", HELP_COMMANDS)

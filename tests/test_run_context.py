@@ -173,6 +173,35 @@ def test_keyboard_interrupt_abandons_the_save_in_flight(tmp_path, monkeypatch):
   assert not os.path.exists(workdir / "checkpoints" / "4" / "checksums.process_0.json")
   with _open(workdir) as run:  # step 4 is not sealed yet: set aside
     assert run.start(_abstract(), _create).step == 2
+
+
+def test_a_lost_peer_abandons_the_save_in_flight(tmp_path, monkeypatch):
+  """An error that reports a lost peer (gloo's broken collective) leaves at once: the
+  save in flight would wait for the dead process in its barriers (issue 44)."""
+  workdir = tmp_path / "run"
+  monkeypatch.setenv(FAILPOINT_ENV, "slow_save@4")
+  monkeypatch.setenv(SLOW_SAVE_SECONDS_ENV, "8")
+  started = time.monotonic()
+  lost = RuntimeError("Gloo allgather failed: [gloo/transport/tcp/pair.cc:534] Read error"
+                      " [127.0.0.1]:2345: Connection reset by peer")
+  with pytest.raises(RuntimeError, match="Connection reset by peer"):
+    with _open(workdir, async_save=True) as run:
+      run.start(_abstract(), _create)
+      run.checkpointer.save(4, _state(4), {"data": {}}, force=True)
+      raise lost
+  assert time.monotonic() - started < 6
+  assert run.abandoned
+  assert not os.path.exists(workdir / "checkpoints" / "4" / "checksums.process_0.json")
+
+
+def test_any_other_error_still_waits_for_the_save(tmp_path):
+  with pytest.raises(ValueError):
+    with _open(tmp_path / "run", async_save=True) as run:
+      run.start(_abstract(), _create)
+      run.checkpointer.save(2, _state(2), {"data": {}}, force=True)
+      raise ValueError("a bug")
+  assert not run.abandoned
+  assert os.path.exists(tmp_path / "run" / "checkpoints" / "2" / "checksums.process_0.json")
   for thread in threading.enumerate():
     if thread.name.startswith("checkpoint_seal_"):
       thread.join(timeout=60)

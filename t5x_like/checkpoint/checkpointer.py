@@ -41,13 +41,14 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from t5x_like import failpoints, fs, peer_loss
+from t5x_like import failpoints, fs
 from t5x_like.checkpoint import integrity, space
 from t5x_like.checkpoint.read_leftovers import quiet_read_leftovers
 from t5x_like.errors import UserError
 from t5x_like.checkpoint.integrity import (  # noqa: F401  (the public names)
     COMMIT_MARKER, EXTRA, STATE, TMP_MARKER, CheckpointDirectoryError, CorruptCheckpointError,
     PartialCheckpointError)
+from t5x_like.checkpoint.shapes import saved_shapes, wanted_shapes
 
 log = logging.getLogger("t5x_like.checkpoint")  # one logger for checkpoint warnings
 
@@ -164,12 +165,6 @@ class Checkpointer:
     return self
 
   def __exit__(self, kind, error, traceback) -> None:
-    if error is not None and peer_loss.from_exception(
-        error, jax.process_index(), jax.process_count()):
-      # A peer process is gone: the save in flight cannot finish (its barriers wait on
-      # the dead process) and the process exits 75 next (peer_guard); what it leaves is
-      # an unfinished step that a rerun sets aside.
-      return
     self.close()
 
   def latest_step(self) -> Optional[int]:
@@ -197,7 +192,7 @@ class Checkpointer:
     # The item handlers directly, not the manager: its restore ends in a barrier that a
     # host whose read failed would skip, deadlocking the others. Here every host reaches
     # the agreements below whatever happened.
-    if not _max_over_hosts(int(mismatch is not None)):
+    if not integrity.max_over_hosts(int(mismatch is not None)):
       try:
         restored = Restored(
             step,
@@ -206,7 +201,7 @@ class Checkpointer:
             self._extra_handler.restore(path / EXTRA, args=ocp.args.JsonRestore()))
       except Exception as e:  # noqa: BLE001  (any read failure means: not usable)
         error = _describe(e)
-    outcome = _max_over_hosts(2 if mismatch else 1 if error else 0)
+    outcome = integrity.max_over_hosts(2 if mismatch else 1 if error else 0)
     if outcome == 2:
       raise IncompatibleCheckpointError(
           f"checkpoint step {step} in {self.directory} does not match the state to restore "
@@ -252,18 +247,11 @@ class Checkpointer:
     return None
 
   def _steps_every_host_lists(self) -> list[int]:
-    """The steps on disk, newest first, that every host lists. Each host lists the
-    directory itself; one listing that misses or adds a step (a listing racing a write,
-    a stale cache) would send the hosts to different steps, and a restore is collective:
-    a step not every host sees is skipped by all (and left alone)."""
-    steps = sorted(self._manager.all_steps(), reverse=True)
-    if jax.process_count() == 1:
-      return steps
-    width = _max_over_hosts(len(steps))
-    if width == 0:
-      return []
-    agreed = integrity.agreed_steps(
-        integrity.gather_over_hosts(steps + [-1] * (width - len(steps))))
+    """The steps on disk, newest first, that every host lists: a restore is collective,
+    and one host's listing that misses or adds a step (racing a write, a stale cache)
+    must not send the hosts to different steps (integrity.steps_every_host_lists)."""
+    steps = self._manager.all_steps()
+    agreed = integrity.steps_every_host_lists(steps)
     if set(agreed) != set(steps):
       log.warning("checkpoints in %s: skipping step(s) %s, not listed by every host",
                   self.directory, sorted(set(steps) - set(agreed)))
@@ -297,7 +285,7 @@ class Checkpointer:
     if error is not None:
       space.join_orbax_writers()
       error = _call_for_error(self._manager.check_for_errors, error)
-    outcome = _max_over_hosts(2 if space.is_disk_full(error) else 1 if error else 0)
+    outcome = integrity.max_over_hosts(2 if space.is_disk_full(error) else 1 if error else 0)
     if outcome == 2:
       raise self._disk_filled_up(sealing.step, sealing.needed) from error
     if self.keep is not None:
@@ -310,7 +298,7 @@ class Checkpointer:
     """The bytes this save needs; CheckpointSpaceError (before writing) if not free."""
     needed = space.needed_bytes(state, extra)
     free = space.free_bytes(self.directory)
-    if _max_over_hosts(int(free is not None and free < needed)):
+    if integrity.max_over_hosts(int(free is not None and free < needed)):
       raise CheckpointSpaceError(space.message(
           step, f"not enough space in {self.directory} (nothing written)", needed, free,
           self._resume_step()))
@@ -421,23 +409,6 @@ def _describe(error: Exception) -> str:
   """One line: the exception type and the start of its message."""
   text = (str(error).strip().splitlines() or [""])[0].split(" See full TensorStore")[0]
   return f"{type(error).__name__}: {text[:300]}"
-
-
-def _max_over_hosts(code: int) -> int:
-  """The largest `code` over all processes (one collective when multi-host)."""
-  return int(integrity.gather_over_hosts([code])[:, 0].max())
-
-
-def saved_shapes(step_dir: epath.Path) -> dict[str, tuple]:
-  """{orbax array name ('opt_state.1.0.mu.w'): shape} of a step's saved state."""
-  meta = ocp.StandardCheckpointHandler().metadata(step_dir / STATE)
-  return {leaf.name: tuple(leaf.shape) for leaf in jax.tree.leaves(meta.tree)}
-
-
-def wanted_shapes(abstract: Any) -> dict[str, tuple]:
-  """{orbax array name: shape} of a pytree, named as saved_shapes names them."""
-  return {jax.tree_util.keystr(p, simple=True, separator="."): tuple(x.shape)
-          for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
 
 
 def _jsonable(extra: dict) -> dict:

@@ -162,6 +162,23 @@ def agreed_steps(rows: np.ndarray) -> list[int]:
   return sorted(common or (), reverse=True)
 
 
+def max_over_hosts(code: int) -> int:
+  """The largest `code` over all processes (one collective when multi-host)."""
+  return int(gather_over_hosts([code])[:, 0].max())
+
+
+def steps_every_host_lists(steps: list[int]) -> list[int]:
+  """Of this host's `steps`, those that every host lists, newest first: `steps` itself
+  on one host, else two collectives (called by every host)."""
+  steps = sorted(steps, reverse=True)
+  if jax.process_count() == 1:
+    return steps
+  width = max_over_hosts(len(steps))
+  if width == 0:
+    return []
+  return agreed_steps(gather_over_hosts(steps + [-1] * (width - len(steps))))
+
+
 # ------------------------------------------------------------------------------ save
 def seal(step_dir: epath.Path, process: int, process_count: int) -> None:
   """Hashes the files of committed `step_dir` that `process` owns; writes its manifest."""
