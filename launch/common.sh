@@ -186,13 +186,20 @@ remote_signal_command() {  # remote_signal_command PIDFILE TERM|KILL: signal the
     " else echo \"\$(hostname): not running\"; fi"
 }
 
+default_restart_delay() {  # seconds before a restart: past a URL workdir's lock going stale
+  # A process 0 whose host vanished leaves workdir.lock behind; on a URL workdir its
+  # heartbeat goes stale after 90 s (t5x_like/workdir_lock.py), and a restart before
+  # that would be refused as a locked workdir (exit 2: the supervisor gives up).
+  if [[ ${WORKDIR:-} == *://* ]]; then echo 100; else echo 30; fi
+}
+
 run_supervisor() {  # run_supervisor SUPERVISOR_FLAG...: the supervisor, on this machine
   # python3 -m t5x_like.supervisor (stdlib only: nothing to install here). DRY_RUN=1
   # prints it, then runs its own dry run: the commands it would run, one restart
   # simulated (SIMULATE=PROCESS:STATUS, default process 1 killed: 1:137).
   local supervisor=(env PYTHONPATH="$REPO_ROOT" "${LOCAL_PYTHON:-python3}" -B -m t5x_like.supervisor
     --max_restarts "${MAX_RESTARTS:-3}" --stop_grace_seconds "${STOP_GRACE_SECONDS:-60}"
-    --restart_delay_seconds "${RESTART_DELAY_SECONDS:-30}" "$@")
+    --restart_delay_seconds "${RESTART_DELAY_SECONDS:-$(default_restart_delay)}" "$@")
   run_or_print "${supervisor[@]}"
   if is_dry_run; then
     "${supervisor[@]}" --dry_run ${SIMULATE:+--simulate "$SIMULATE"} ||

@@ -7,6 +7,9 @@
   slow_save                           the save of step STEP stalls for
                                       T5X_LIKE_SLOW_SAVE_SECONDS (default 600) while it is
                                       being written (checkpoints.py; tests/test_faults.py)
+  before_seal                         SIGKILL after orbax committed step STEP, before
+                                      this host wrote its checksums (checkpointer.py;
+                                      tests/test_peer_loss.py)
   in_step                             SIGKILL right after step STEP's train step was
                                       dispatched, while it runs (runner.py)
   during_eval                         SIGKILL after the first eval batch of step STEP

@@ -436,6 +436,8 @@ def test_tpu_supervise_dry_run_prints_the_commands_of_a_restart(sandbox):
   assert supervisor[5] == "t5x_like.supervisor"
   assert _flag(supervisor, "--max_restarts") == "3"
   assert _flag(supervisor, "--workdir") == "gs://my-bucket/bert-base"
+  # past the 90 s after which a vanished process 0's lock on a URL workdir goes stale
+  assert _flag(supervisor, "--restart_delay_seconds") == "100"
   assert supervisor.count("--worker") == supervisor.count("--kill") == 4  # v3-32: 4 hosts
   commands = [line for kind, line in rest if kind == "+"]
   notes = [line for kind, line in rest if kind == "#"]
