@@ -71,7 +71,7 @@ def parse_flags_and_args(command: str, argv: Sequence[str],
   if any(a in HELP_FLAGS for a in argv):
     print(usage_text(command, fv, doc, positionals=positionals, prog=prog))
     raise HelpShown()
-  config_spec = _flag_value(argv, "config")
+  config_spec = flag_value(argv, "config")
   if config_spec and "config" in fv:
     config = load_config(config_spec)
     for key, flag in _config_overrides(argv):
@@ -149,19 +149,19 @@ def lock_flags(argv: Sequence[str]) -> Optional[types.SimpleNamespace]:
   jax through the libraries it names). None for a help request, no --workdir, or a
   value the full parse will refuse."""
   argv = list(argv)
-  workdir = _flag_value(argv, "workdir")
+  workdir = flag_value(argv, "workdir")
   if not workdir or any(a in HELP_FLAGS for a in argv):
     return None
   try:
     return types.SimpleNamespace(
-        workdir=workdir, distributed=_flag_value(argv, "distributed") or "flags",
-        num_processes=int(_flag_value(argv, "num_processes") or 1),
-        process_id=int(_flag_value(argv, "process_id") or 0))
+        workdir=workdir, distributed=flag_value(argv, "distributed") or "flags",
+        num_processes=int(flag_value(argv, "num_processes") or 1),
+        process_id=int(flag_value(argv, "process_id") or 0))
   except ValueError:
     return None
 
 
-def _flag_value(argv: list[str], name: str) -> Optional[str]:
+def flag_value(argv: list[str], name: str) -> Optional[str]:
   """The last value of --name=V / --name V in argv, or None."""
   value = None
   for i, arg in enumerate(argv):

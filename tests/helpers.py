@@ -56,6 +56,16 @@ def jsonl_rows(workdir: str) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
+def eval_rows(workdir: str) -> dict[int, dict]:
+  """{step: eval metrics} of metrics.jsonl (the last row written for each step)."""
+  rows = {}
+  for row in jsonl_rows(workdir):
+    evals = {k: v for k, v in row.items() if k.startswith("eval")}
+    if evals:
+      rows[row["step"]] = evals
+  return rows
+
+
 def losses(workdir: str) -> dict[int, float]:
   """{step: loss} of workdir/metrics.jsonl."""
   from t5x_like.train.metrics import read_jsonl

@@ -43,7 +43,7 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the comparison reads checkpoints on CPU
-from helpers import CONFIGS, ROOT, child_env, cli_command, jsonl_rows, losses  # noqa: E402
+from helpers import CONFIGS, ROOT, child_env, cli_command, eval_rows, losses  # noqa: E402
 
 CONFIG_NAMES = {"bert": "bert_cpu.py:smoke", "t5": "t5_cpu.py:smoke", "gpt": "gpt_cpu.py:smoke"}
 NUM_STEPS, CHECKPOINT_EVERY, EVAL_EVERY = 12, 4, 6
@@ -155,16 +155,6 @@ def _fired_at(path: str) -> float:
 
 
 # -------------------------------------------------------------------- comparing
-def eval_rows(workdir: str) -> dict[int, dict]:
-  """{step: eval metrics} of metrics.jsonl (the last row written for each step)."""
-  rows = {}
-  for row in jsonl_rows(workdir):
-    evals = {k: v for k, v in row.items() if k.startswith("eval")}
-    if evals:
-      rows[row["step"]] = evals
-  return rows
-
-
 def final_checkpoint_arrays(workdir: str) -> tuple[int, dict]:
   """(step, {path: numpy array}) of the train state of workdir's newest committed
   checkpoint, read back with orbax as numpy (no mesh, any process count)."""

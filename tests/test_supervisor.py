@@ -20,7 +20,7 @@ import time
 import pytest
 
 from helpers import CONFIGS, ROOT, child_env, cli_command, committed_checkpoints
-from helpers import jsonl_rows, losses, train_two_processes, wait_for_step
+from helpers import eval_rows, losses, train_two_processes, wait_for_step
 from t5x_like import restart_policy as policy
 from t5x_like.cli import main as cli_main
 from t5x_like.commands import supervise as supervise_command
@@ -320,16 +320,6 @@ def test_supervise_builds_one_command_per_process(monkeypatch):
 STEPS = ("--config.train.num_steps=40", "--config.train.checkpoint_every=5")
 
 
-def _eval_rows(workdir):
-  """{step: eval metrics} of metrics.jsonl (the last row written for each step)."""
-  rows = {}
-  for row in jsonl_rows(workdir):
-    evals = {k: v for k, v in row.items() if k.startswith("eval")}
-    if evals:
-      rows[row["step"]] = evals
-  return rows
-
-
 @pytest.mark.slow
 def test_a_sigkilled_worker_is_restarted_and_the_run_ends_as_an_uninterrupted_one(tmp_path):
   full = str(tmp_path / "full")
@@ -365,5 +355,5 @@ def test_a_sigkilled_worker_is_restarted_and_the_run_ends_as_an_uninterrupted_on
   assert text.count("supervisor: restart") == 1
   assert losses(workdir) == losses(full)  # bit for bit, every step 1..40
   assert sorted(losses(full)) == list(range(1, 41))
-  assert _eval_rows(workdir) == _eval_rows(full)
+  assert eval_rows(workdir) == eval_rows(full)
   assert committed_checkpoints(workdir)[-1] == 40

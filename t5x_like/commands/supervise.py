@@ -23,7 +23,7 @@ import sys
 
 from absl import flags
 
-from t5x_like.command_flags import FlagError, parse_flags_and_args
+from t5x_like.command_flags import FlagError, flag_value, parse_flags_and_args
 
 SUPERVISED = ("train", "finetune")  # the commands that take the multi-host flags
 _SET_BY_SUPERVISOR = ("coordinator_address", "num_processes", "process_id", "distributed")
@@ -52,17 +52,6 @@ def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("localhost", 0))
     return s.getsockname()[1]
-
-
-def _flag_value(args: list[str], name: str):
-  """The last value of --name=V / --name V in args, or None."""
-  value = None
-  for i, arg in enumerate(args):
-    if arg.startswith(f"--{name}="):
-      value = arg.split("=", 1)[1]
-    elif arg == f"--{name}" and i + 1 < len(args):
-      value = args[i + 1]
-  return value
 
 
 def worker_env(devices_per_process) -> dict:
@@ -95,12 +84,12 @@ def main(argv: list[str]) -> int:
     raise FlagError(f"after --: {command[0]!r} is not supervised; expected one of"
                     f" {', '.join(SUPERVISED)} (e.g. -- train --config FILE --workdir DIR)")
   for name in _SET_BY_SUPERVISOR:
-    if _flag_value(command, name) is not None or f"--no{name}" in command:
+    if flag_value(command, name) is not None or f"--no{name}" in command:
       raise FlagError(f"--{name} is set by the supervisor for each process; leave it out"
                       f" of the {command[0]} flags")
   from t5x_like import fs
   from t5x_like.supervisor import WorkerSpec, supervise
-  workdir = _flag_value(command, "workdir")
+  workdir = flag_value(command, "workdir")
   if workdir and not fs.is_url(workdir):
     workdir = os.path.abspath(os.path.expanduser(workdir))
   env = worker_env(fv.cpu_devices_per_process)
