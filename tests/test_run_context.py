@@ -240,3 +240,26 @@ def test_rerun_of_a_finished_finetune_writes_the_same_outputs(tmp_path, capsys):
   assert {k: v for k, v in again.items() if k != "seconds"} == {
       k: v for k, v in first_metrics.items() if k != "seconds"}
   assert read("dev_predictions.jsonl") == first_predictions
+
+
+# ------------------------------------------- a second Ctrl-C dropped inside a __del__
+def test_a_second_ctrl_c_dropped_inside_a_del_is_delivered_again():
+  """Python prints and drops an exception raised inside __del__: a second Ctrl-C landing
+  there (a grain iterator's finalizer) once left the run waiting on a stalled save."""
+  from t5x_like.train.preemption import Preemption
+
+  class RaisesInDel:
+    def __del__(self):
+      raise KeyboardInterrupt  # as the signal handler does when the signal lands here
+
+  preemption = Preemption()
+  try:
+    os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C: a request to save and stop
+    time.sleep(0.05)
+    assert preemption.requested == "SIGINT"
+    with pytest.raises(KeyboardInterrupt):
+      RaisesInDel()  # the second one, dropped
+      time.sleep(5)
+  finally:
+    preemption.restore()
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -15,6 +15,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 from typing import Iterator, Optional
 
 
@@ -27,6 +28,8 @@ class Preemption:
   def __init__(self):
     self.requested: Optional[str] = None  # the signal's name once one came
     self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+    self._previous_unraisablehook = sys.unraisablehook
+    sys.unraisablehook = self._unraisable
 
   def _handle(self, signum, frame):
     del frame
@@ -37,9 +40,21 @@ class Preemption:
           + (" (Ctrl-C again to stop without saving)" if signum == signal.SIGINT else ""),
           file=sys.stderr, flush=True)
 
+  def _unraisable(self, unraisable) -> None:
+    """The second Ctrl-C's KeyboardInterrupt raised inside a __del__ (grain's iterators
+    have one) is printed and dropped by Python, and the process went on waiting for the
+    save it was to abandon: deliver the interrupt again once that __del__ is over."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt) and self.requested == "SIGINT":
+      again = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+      again.daemon = True
+      again.start()
+      return
+    self._previous_unraisablehook(unraisable)
+
   def restore(self):
     for s, handler in self._previous.items():
       signal.signal(s, handler)
+    sys.unraisablehook = self._previous_unraisablehook
 
 
 EXIT_FINISHED = 0  # trained to the end (now or before)
