@@ -1,7 +1,8 @@
 """The supervisor of multi-process runs (t5x_like/supervisor.py, restart_policy.py,
 `t5x-like supervise`): which exit statuses restart the run, which give up, what it logs,
-that it stops the others (SIGKILL past the grace) and that a killed worker of a real
-2-process run is restarted to the same losses as an uninterrupted run (slow tier).
+that it stops the others (SIGKILL past the grace). Real supervised runs of 2 and 4
+processes, SIGKILLed and restarted to the same losses, eval rows and final checkpoint
+as an uninterrupted run: tests/test_kill_matrix.py (slow tier) and tests/kill_matrix.py.
 
 The default tier starts no process that imports jax: scripted workers, and short bash
 processes for the real process handling.
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -19,8 +19,7 @@ import time
 
 import pytest
 
-from helpers import CONFIGS, ROOT, child_env, cli_command, committed_checkpoints
-from helpers import eval_rows, losses, train_two_processes, wait_for_step
+from helpers import ROOT
 from t5x_like import restart_policy as policy
 from t5x_like.cli import main as cli_main
 from t5x_like.commands import supervise as supervise_command
@@ -314,47 +313,3 @@ def test_supervise_builds_one_command_per_process(monkeypatch):
        "--process_id=1"]]
   assert supervise_command.worker_commands(["train"], 1, 1234) == [
       [sys.executable, "-m", "t5x_like.cli", "train"]]
-
-
-# ------------------------------------------------------------ slow: a real run
-
-STEPS = ("--config.train.num_steps=40", "--config.train.checkpoint_every=5")
-
-
-@pytest.mark.slow
-def test_a_sigkilled_worker_is_restarted_and_the_run_ends_as_an_uninterrupted_one(tmp_path):
-  full = str(tmp_path / "full")
-  for code, out in train_two_processes("bert_cpu.py:smoke", full, *STEPS):
-    assert code == 0, out[-3000:]
-
-  workdir = str(tmp_path / "supervised")
-  log_path = tmp_path / "supervisor.log"
-  with open(log_path, "w") as log:
-    proc = subprocess.Popen(
-        cli_command("supervise", "--num_processes=2", "--cpu_devices_per_process=4",
-                    "--max_restarts=2", "--stop_grace_seconds=5", "--", "train",
-                    f"--config={CONFIGS}/bert_cpu.py:smoke", f"--workdir={workdir}", *STEPS),
-        env=child_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-  try:
-    wait_for_step(workdir, proc, 5, checkpoint=True)
-    started = re.search(r"supervisor: started 2 processes \(pids (\d+), (\d+)\)",
-                        log_path.read_text())
-    victim = int(started.group(2))
-    killed_at = max(losses(workdir))
-    os.kill(victim, signal.SIGKILL)  # process 1, mid-run: fails if it already ended
-    assert proc.wait(timeout=600) == 0, log_path.read_text()[-5000:]
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-  text = log_path.read_text()
-  restart = re.search(r"supervisor: restart 1/2: process 1 exited 137 \(killed by SIGKILL\);"
-                      r" resuming from step (\d+)", text)
-  assert restart, text[-5000:]
-  assert 5 <= int(restart.group(1)) <= max(killed_at, 5) + 5
-  assert int(restart.group(1)) % 5 == 0
-  assert "supervisor: finished: all 2 processes exited 0 (1 restart)" in text
-  assert text.count("supervisor: restart") == 1
-  assert losses(workdir) == losses(full)  # bit for bit, every step 1..40
-  assert sorted(losses(full)) == list(range(1, 41))
-  assert eval_rows(workdir) == eval_rows(full)
-  assert committed_checkpoints(workdir)[-1] == 40
