@@ -18,10 +18,7 @@ from __future__ import annotations
 import signal
 from typing import Optional
 
-try:  # the trainer's own constant, where it defines one
-  from t5x_like.train.preemption import EXIT_PEER_LOST
-except ImportError:  # pragma: no cover  (older trees)
-  EXIT_PEER_LOST = 75  # "a peer was lost; rerun resumes" (EX_TEMPFAIL of sysexits.h)
+from t5x_like.train.preemption import EXIT_PEER_LOST  # stdlib only, as this module
 
 RESTART, GIVE_UP, FINISHED = "restart", "give up", "finished"
 
