@@ -124,7 +124,14 @@ class BatchPlan:
     """This host's rows of global batch `step` as (epoch, example indices [M]) runs, in
     row order (one run per epoch the rows reach)."""
     position = step * self.global_batch_size + self.process_index * self.host_batch_size
-    end = position + self.host_batch_size
+    return self._runs(position, position + self.host_batch_size)
+
+  def global_runs(self, step: int) -> list[tuple[int, np.ndarray]]:
+    """Every host's rows of global batch `step`, as host_runs gives them."""
+    position = step * self.global_batch_size
+    return self._runs(position, position + self.global_batch_size)
+
+  def _runs(self, position: int, end: int) -> list[tuple[int, np.ndarray]]:
     runs = []
     while position < end:
       epoch = self.epochs.epoch_of(position)
@@ -141,9 +148,11 @@ class BatchPlan:
   def host_batch(self, step: int) -> Example:
     """This host's rows of global batch `step`: {feature: [G / P, ...] array}."""
     parts = [self.objective.examples(indices, epoch) for epoch, indices in self.host_runs(step)]
-    if len(parts) == 1:
-      return parts[0]
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    batch = parts[0] if len(parts) == 1 else {
+        k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    if self.objective.fits_batches:
+      batch = self.objective.fit_batch(batch, self.global_runs(step))
+    return batch
 
 
 def make_loader(objective: Objective, global_batch_size: int, *, seed: int,

@@ -46,6 +46,9 @@ class Objective(abc.ABC):
   # True: each epoch's examples are already in a seeded random order (data/mixture.py);
   # the loader reads them in order instead of permuting them.
   reads_in_order: bool = False
+  # True: the loader hands each host's rows to fit_batch with the whole global batch's
+  # (epoch, indices) runs, the same on every host (finetune's EncodedRows cuts padding).
+  fits_batches: bool = False
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
@@ -64,6 +67,11 @@ class Objective(abc.ABC):
     """Examples [len(indices), ...] stacked along a new leading batch axis."""
     rows = [self.example(int(i), epoch) for i in indices]
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+  def fit_batch(self, batch: Example, global_runs: list[tuple[int, np.ndarray]]) -> Example:
+    """This host's rows of a global batch, reshaped by what the whole batch holds
+    (fits_batches objectives only): e.g. cut to the batch's longest row."""
+    return batch
 
   def feature_shapes(self) -> dict[str, tuple[int, ...]]:
     """Per-example shapes, read off example 0 of epoch 0."""

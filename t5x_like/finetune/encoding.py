@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from t5x_like.data.objective import Objective
+from t5x_like.finetune import padding
 from t5x_like.finetune.task import Example, Task
 from t5x_like.finetune.tokenizer import Tokenizer
 
@@ -179,18 +180,34 @@ class EncodedRows(Objective):
   """Encoded rows {feature: [N, ...]} as an Objective for the training loader (use it
   with shuffle=False): epoch e reads the rows in the seeded permutation
   default_rng([seed, e]), so global batch s holds rows s*B .. (s+1)*B - 1 of the
-  concatenated per-epoch permutations, on any host, after any restart."""
+  concatenated per-epoch permutations, on any host, after any restart. padding_groups
+  (Task.padding_groups): each batch is cut to its longest row (finetune/padding.py)."""
 
-  def __init__(self, features: Features, seed: int):
+  def __init__(self, features: Features, seed: int, padding_groups: Sequence = ()):
     self.features, self.seed = features, seed
+    self.padding_groups = tuple(padding_groups)
+    self.fits_batches = bool(self.padding_groups)
     self.num_rows = next(iter(features.values())).shape[0]
     self._orders: dict[int, np.ndarray] = {}
 
   def num_examples(self, epoch: int) -> int:
     return self.num_rows
 
-  def examples(self, indices: np.ndarray, epoch: int) -> Features:
+  def _rows(self, indices: np.ndarray, epoch: int) -> np.ndarray:
     if epoch not in self._orders:
-      self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)}
-    rows = self._orders[epoch][np.asarray(indices)]
+      if len(self._orders) > 1:  # a batch reaches two epochs at most
+        self._orders.pop(min(self._orders))
+      self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(
+          self.num_rows)
+    return self._orders[epoch][np.asarray(indices)]
+
+  def examples(self, indices: np.ndarray, epoch: int) -> Features:
+    rows = self._rows(indices, epoch)
     return {k: v[rows] for k, v in self.features.items()}
+
+  def fit_batch(self, batch: Features, global_runs) -> Features:
+    rows = np.concatenate([self._rows(indices, epoch) for epoch, indices in global_runs])
+    keys = [key for key, _ in self.padding_groups if key in self.features]
+    lengths = padding.cut_lengths({k: self.features[k][rows] for k in keys},
+                                  self.padding_groups)
+    return padding.cut(batch, lengths)

@@ -24,21 +24,25 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from t5x_like import infer, parallel
+from t5x_like.finetune import padding
 from t5x_like.finetune.data import Dataset
 
 
-def _host_batches(features: dict[str, np.ndarray], batch_size: int):
+def _host_batches(features: dict[str, np.ndarray], batch_size: int,
+                  padding_groups: Sequence = ()):
   """(rows, this host's part of the batch) for every `batch_size` rows; the last batch
   is filled with copies of its first row (real tokens, so nothing is all padding) and
-  `rows` says how many count."""
+  `rows` says how many count. padding_groups: each batch cut to its longest row."""
   total = next(iter(features.values())).shape[0]
   per_host = batch_size // jax.process_count()
   first = jax.process_index() * per_host
   for start in range(0, total, batch_size):
     stop = min(start + batch_size, total)
     index = np.concatenate([np.arange(start, stop), np.full(batch_size - (stop - start), start)])
+    lengths = padding.cut_lengths({k: features[k][index] for k, _ in padding_groups
+                                   if k in features}, padding_groups)
     index = index[first:first + per_host]
-    yield stop - start, {k: v[index] for k, v in features.items()}
+    yield stop - start, padding.cut({k: v[index] for k, v in features.items()}, lengths)
 
 
 def _everywhere(tree) -> Any:
@@ -83,7 +87,7 @@ class Predictor:
     task = self.model.task
     inputs = {k: v for k, v in features.items() if k not in task.label_features}
     outputs = []
-    for rows, batch in _host_batches(inputs, self.batch_size):
+    for rows, batch in _host_batches(inputs, self.batch_size, task.padding_groups()):
       batch = parallel.shard_batch(batch, self.mesh, self.rules)
       if self.model.generates_text:  # free text: [N] strings
         outputs.append(np.array(self._generate_texts(params, batch, task.target_length),

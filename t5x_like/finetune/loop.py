@@ -206,9 +206,9 @@ def finetune(config: ml_collections.ConfigDict, workdir, *,
       train_step = make_train_step(model, optimizer, schedule, microbatches=tc.microbatches,
                                    mesh=mesh, rules=rules, state_shardings=start.shardings,
                                    batch_shapes=batch_shapes)
-      batches = device_batches(EncodedRows(trained, config.seed), tc.batch_size,
-                               seed=config.seed, mesh=mesh, rules=rules, shuffle=False,
-                               data_state=data_state)
+      rows = EncodedRows(trained, config.seed, task.padding_groups())
+      batches = device_batches(rows, tc.batch_size, seed=config.seed, mesh=mesh, rules=rules,
+                               shuffle=False, data_state=data_state)
       started = time.perf_counter()
       step, _, dev, stopped = run_steps(StepLoop(
           train_step, batches, jax.random.key(config.seed + 1), run, Every.of(tc), evaluate,

@@ -29,10 +29,13 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from t5x_like.finetune import heads
+from t5x_like.finetune import heads, padding
 
 Array = jax.Array
 Features = dict[str, np.ndarray]
+
+
+BATCH_PADDINGS = ("longest", "max_length")
 
 
 class BadRow(Exception):
@@ -108,6 +111,8 @@ class Task(abc.ABC):
   label_features: ClassVar[tuple[str, ...]] = ("labels",)  # targets, not model inputs
   host_features: ClassVar[tuple[str, ...]] = ()  # evaluation only: kept out of training
   encode_flag: ClassVar[str] = "truncated"  # the stat `encode`'s flag counts
+  # False: outputs per position (tags, spans), so batches keep max_length positions
+  cuts_padding: ClassVar[bool] = True
 
   text_column: str = "text"
   text_pair_column: str = ""  # "" = single texts
@@ -115,10 +120,21 @@ class Task(abc.ABC):
   labels: tuple = ()  # () = every label of the train file, sorted
   skip_bad_rows: bool = False  # True: skip and count bad rows instead of stopping
   max_length: int = 128  # encoder / decoder input tokens
+  # longest: each batch cut to its longest row, rounded up to a power of two (at least
+  # 8; what the rows leave unused is padding) | max_length: max_length every batch
+  batch_padding: str = "longest"
   classifier_dropout: float = -1.0  # -1 = the model's dropout_rate
 
   def __post_init__(self):
     object.__setattr__(self, "labels", tuple(self.labels or ()))
+    if self.batch_padding not in BATCH_PADDINGS:
+      raise ValueError(f"batch_padding={self.batch_padding!r}: expected one of"
+                       f" {', '.join(BATCH_PADDINGS)}")
+
+  def padding_groups(self) -> tuple:
+    """The feature groups a batch's unused padding is cut from (padding.CUT_GROUPS), or
+    () when every batch keeps max_length positions."""
+    return padding.CUT_GROUPS if self.cuts_padding and self.batch_padding == "longest" else ()
 
   # ---------------------------------------------------------------- rows
   def check_files_options(self) -> None:

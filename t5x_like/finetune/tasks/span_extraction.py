@@ -134,6 +134,7 @@ class SpanExtraction(Task):
   max_answer_tokens (the longest span predicted)."""
 
   name: ClassVar[str] = "span_extraction"
+  cuts_padding: ClassVar[bool] = False  # outputs per position
   uses_label_list: ClassVar[bool] = False
   label_features: ClassVar[tuple[str, ...]] = ("start_positions", "end_positions")
   host_features: ClassVar[tuple[str, ...]] = ("context_offsets",)

@@ -70,6 +70,7 @@ def encode_token_classification(tokenizer, example: Example, max_length: int):
 @dataclasses.dataclass(frozen=True)
 class TokenClassification(Task):
   name: ClassVar[str] = "token_classification"
+  cuts_padding: ClassVar[bool] = False  # outputs per position
 
   def row_labels(self, record):
     value = field(record, self.label_column)
