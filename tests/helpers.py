@@ -25,10 +25,16 @@ def load_config(name: str, arg: str = ""):
   return module.get_config(arg)
 
 
+def xla_flags(devices: int = 8) -> str:
+  """XLA_FLAGS for a child process: `devices` fake CPU devices, compiled as the tests'
+  own process compiles (tests/conftest.py), so a child's numbers equal the parent's."""
+  return (os.environ.get("T5X_LIKE_TEST_XLA_FLAGS", "")
+          + f" --xla_force_host_platform_device_count={devices}").strip()
+
+
 def child_env(devices: int = 8, **extra: str) -> dict:
   """The environment of a child `t5x-like`: CPU only, `devices` fake devices."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices))
   env.update(extra)
   return env
 

@@ -86,7 +86,8 @@ def _run(capsys, argv):
   return code, (json.loads(captured.out) if code == 0 else None), captured.err
 
 
-@pytest.mark.parametrize("config,decode", [("configs/bert_cpu.py:smoke", False),
+@pytest.mark.parametrize("config,decode", [pytest.param("configs/bert_cpu.py:smoke", False,
+                                                        marks=pytest.mark.slow),
                                            ("configs/gpt_cpu.py:smoke", True),
                                            pytest.param("configs/t5_cpu.py:smoke", True,
                                                         marks=pytest.mark.slow)])
@@ -183,6 +184,7 @@ def test_bench_bad_input_exits_2(capsys, argv, message):
   assert message in err
 
 
+@pytest.mark.slow
 def test_console_command_runs_with_huge_pages_and_leaves_out_an_absent_tpu():
   """The installed `t5x-like` restarts itself with glibc's huge-page tunable (cli.py);
   the bench records its environment. With libtpu installed (the test extra) on a host
@@ -203,7 +205,7 @@ def test_console_command_runs_with_huge_pages_and_leaves_out_an_absent_tpu():
     assert "TPU" not in out.stderr, out.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_bench_data_prepared_reports_each_size(capsys):
   """`bench data --prepared` on two tiny synthetic corpora: the same tokens whatever the
   worker count, start-up figures for both verification modes, a working objective."""

@@ -50,7 +50,7 @@ def _run(capsys, argv):
   return code, (json.loads(captured.out) if code == 0 else None), captured.err
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("argv,torch_runners", [
     (["--config", "configs/gpt_cpu.py:smoke"], ("eager", "compiled")),
     (["--config", "configs/bert_cpu.py:smoke", "--compile", "eager"], ("eager",)),

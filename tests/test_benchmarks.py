@@ -5,8 +5,8 @@ Datasets are built here in array_record with the real datasets' features
 (tests/tfds_fixtures.py), or mocked by tfds.testing.mock_data from those features;
 nothing is downloaded. Expected metrics come from scikit-learn / scipy and from the
 GLUE / SuperGLUE / SQuAD file formats written out by hand, never from the code under
-test. The default tier runs one task per kind and family; the slow tier every config,
-and the CLI's suite and bad-input cases.
+test. The default tier runs three tasks end to end; the slow tier one of each kind and
+family (SLOW_TIER), the CLI's suite and bad-input cases; the long tier every config.
 """
 
 from __future__ import annotations
@@ -102,9 +102,18 @@ def tfds_labels(name: str) -> list[str]:
 
 
 # ------------------------------------------------------------------ end to end
-DEFAULT_TIER = [("glue/cola", "bert"), ("glue/cola", "t5"), ("glue/stsb", "bert"),
-                ("glue/mnli", "bert"), ("squad/v2.0", "bert"), ("squad/v2.0", "t5")]
+DEFAULT_TIER = [("glue/cola", "t5"), ("glue/stsb", "bert"), ("squad/v2.0", "bert")]
+# The slow tier: one of each kind of task and output (classification by name and by
+# index, pairs, 3 classes, regression as text, multiple choice, spans); the rest: long.
+SLOW_TIER = [("glue/cola", "bert"), ("glue/mnli", "bert"), ("glue/stsb", "t5"),
+             ("super_glue/copa", "bert"), ("squad/v2.0", "t5")]
 EVERY = [(name, family) for name in BENCHMARKS for family in ("bert", "t5")]
+
+
+def _tiered(pairs):
+  """pytest params: SLOW_TIER's in the slow tier, the others in the long one."""
+  return [pytest.param(*p, marks=pytest.mark.slow if p in SLOW_TIER else pytest.mark.long)
+          for p in pairs]
 
 
 @pytest.mark.parametrize("name,family", DEFAULT_TIER)
@@ -113,8 +122,7 @@ def test_benchmark_end_to_end_on_a_local_build(name, family, data_dir, tmp_path)
   _check_outputs(name, result, tmp_path)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name,family", [p for p in EVERY if p not in DEFAULT_TIER])
+@pytest.mark.parametrize("name,family", _tiered([p for p in EVERY if p not in DEFAULT_TIER]))
 def test_every_benchmark_config_end_to_end(name, family, data_dir, tmp_path):
   _check_outputs(name, _finetune(name, family, data_dir, tmp_path), tmp_path)
 
@@ -133,7 +141,8 @@ def _mock(data_dir, name):
                                 data_dir=data_dir)
 
 
-@pytest.mark.parametrize("name,family", [("glue/mrpc", "bert"), ("glue/qnli", "t5")])
+@pytest.mark.parametrize("name,family", [("glue/mrpc", "bert"),
+                                         pytest.param("glue/qnli", "t5", marks=pytest.mark.slow)])
 def test_benchmark_end_to_end_on_tfds_mock_data(name, family, data_dir, tmp_path):
   with _mock(data_dir, name):  # nothing built under this data dir
     result = _finetune(name, family, str(tmp_path / "no_data"), tmp_path / "run")
@@ -146,8 +155,7 @@ def test_benchmark_end_to_end_on_tfds_mock_data(name, family, data_dir, tmp_path
     assert os.path.isfile(tmp_path / "run" / "submission" / file)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name,family", EVERY)
+@pytest.mark.parametrize("name,family", _tiered(EVERY))
 def test_every_benchmark_config_on_tfds_mock_data(name, family, data_dir, tmp_path):
   with _mock(data_dir, name):
     result = _finetune(name, family, str(tmp_path / "no_data"), tmp_path / "run")

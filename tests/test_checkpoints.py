@@ -21,6 +21,8 @@ from t5x_like import parallel
 from t5x_like.checkpoint import (Checkpointer, CorruptCheckpointError,
                                  IncompatibleCheckpointError)
 
+from helpers import xla_flags
+
 # A failed tensorstore read leaves orbax coroutines unawaited; they warn when collected,
 # so collect them inside each test, where this filter applies.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -310,7 +312,7 @@ def test_two_hosts_agree_when_only_one_fails_to_read(tmp_path):
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
   root = pathlib.Path(__file__).resolve().parent.parent
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+  env = {**os.environ, "XLA_FLAGS": xla_flags(4),
          "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
   procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port),
                              str(tmp_path / "ckpt")], env=env, cwd=root, text=True,

@@ -224,7 +224,7 @@ def test_train_rejects_an_invalid_config_before_building_anything(tmp_path):
   assert not os.path.exists(tmp_path / "w")  # nothing written, nothing compiled
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("name, arg", [("t5_pretrain", "small,local"),
                                        ("gpt2_pretrain", "124m,local")])
 def test_cpu_variant_of_each_pretraining_config_trains(name, arg, tmp_path):

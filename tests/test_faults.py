@@ -19,10 +19,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from t5x_like.failpoints import FAILPOINT_ENV
 from t5x_like.workdir_lock import LOCK_NAME, WorkdirLock
 
-from helpers import ROOT
+from helpers import ROOT, xla_flags
 
 BERT = os.path.join(ROOT, "configs", "bert_cpu.py")
 GPT = os.path.join(ROOT, "configs", "gpt_cpu.py")
@@ -31,7 +33,7 @@ FINETUNE = os.path.join(ROOT, "configs", "finetune_books.py")
 
 def _env(**extra) -> dict:
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+             XLA_FLAGS=xla_flags(8))
   env.pop(FAILPOINT_ENV, None)
   env.update(extra)
   return env
@@ -109,6 +111,7 @@ def _sealed(workdir) -> list[int]:
       for f in ("commit_success.txt", "checksums.process_0.json")))
 
 
+@pytest.mark.slow
 def test_second_ctrl_c_during_the_save_exits_130_at_once_in_one_line(tmp_path):
   workdir = str(tmp_path / "run")
   stderr_path = tmp_path / "stderr.txt"

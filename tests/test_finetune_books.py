@@ -150,6 +150,7 @@ def test_bad_arguments_are_user_errors(tmp_path, capsys):
   assert "task='nope'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant,fixture", [("bert,smoke,task=unseen", "unseen"),
                                              ("t5,smoke,task=within", "within")])
 def test_smoke_finetune_on_each_variant(variant, fixture, tmp_path, request):

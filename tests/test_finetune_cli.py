@@ -22,7 +22,7 @@ from t5x_like.data.loader import make_loader
 from t5x_like.finetune.encoding import EncodedRows
 from t5x_like.train.metrics import read_jsonl
 from t5x_like.train.pretrained import find_checkpoint
-from helpers import ROOT
+from helpers import ROOT, xla_flags
 
 CONFIG = os.path.join(ROOT, "configs", "finetune_books.py")
 BERT_CPU = os.path.join(ROOT, "configs", "bert_cpu.py")
@@ -72,7 +72,7 @@ def _start_finetune(workdir, task_dir, *overrides, variant="bert,smoke", devices
              f"--config={CONFIG}:{variant},dir={task_dir}", f"--workdir={workdir}",
              f"--config.init.config={init}:smoke", *overrides]
   env = dict(os.environ, T5X_LIKE_HUGE_PAGES="0", JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+             XLA_FLAGS=xla_flags(devices))
   return subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
 
@@ -168,6 +168,7 @@ def test_finetune_starts_from_the_pretrained_checkpoint(tmp_path, task_dir,
       np.mean([p["prediction"] == p["label"] for p in predictions]))
 
 
+@pytest.mark.slow
 def test_layer_decay_scales_each_layer_s_first_step(tmp_path, task_dir, bert_workdir):
   """optimizer.layer_decay=0.5 from the pretrained backbone: Adam's first step moves
   each parameter's largest-gradient element by the same lr x c (|g| >> eps), times
@@ -210,7 +211,7 @@ def test_finetune_from_random_init_resumes_to_the_same_numbers(tmp_path, task_di
     np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_finetune_sigterm_saves_exits_143_and_resumes(tmp_path, task_dir):
   """SIGTERM: a checkpoint at the current step, exit 143, no traceback; the rerun
   finishes with every loss equal to an uninterrupted run's. (Ctrl-C takes the same path
@@ -262,7 +263,7 @@ def test_finetune_killed_at_a_random_step_resumes_to_the_same_losses(tmp_path, t
     np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("variant", ["bert,smoke"])
 def test_two_processes_fine_tune_like_one(variant, tmp_path, task_dir, bert_workdir):
   """2 processes x 4 devices (jax.distributed) against 1 process x 8 devices: the same
@@ -295,6 +296,7 @@ def test_two_processes_fine_tune_like_one(variant, tmp_path, task_dir, bert_work
   assert read("multi") == read("single")
 
 
+@pytest.mark.slow
 def test_regression_task_end_to_end(tmp_path, task_dir):
   """The README's worked example of a new task type runs as any other: a score per
   passage (its share of words starting with a capital), Pearson / Spearman / MSE."""
@@ -352,6 +354,7 @@ def test_finetune_from_a_hugging_face_bert_with_its_vocab_txt(tmp_path, task_dir
 
 
 # ------------------------------------------------------------------ text to text
+@pytest.mark.slow
 def test_t5_text_to_text_by_generation_and_by_rank(tmp_path, task_dir):
   assert _finetune(str(tmp_path), task_dir, "--config.train.num_steps=3",
                    variant="t5,smoke") == 0

@@ -105,7 +105,7 @@ def test_tables_replace_only_their_part_of_the_page(tmp_path):
   assert page.read_text() == f"# GLUE\nprose\n{BEGIN}\nnew\n{END}\nmore prose\n"
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_study_smoke_end_to_end(tmp_path):
   """The driver on small GLUE files: pretraining, both arms at two seeds (the second at
   the first seed's picked rate), the bag; a second call runs nothing."""

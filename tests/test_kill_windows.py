@@ -32,7 +32,7 @@ def _train(workdir, failpoint=None):
   return run_child(train_command("gpt_cpu.py:smoke", workdir, *ARGS), env=env)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_a_chain_of_kills_around_eval_and_checkpoint_loses_no_row_and_writes_none_twice(
     tmp_path):
   whole_dir = str(tmp_path / "whole")

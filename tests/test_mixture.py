@@ -165,6 +165,7 @@ def _small_text(directory) -> str:
   return f"text:{directory}/*.txt"
 
 
+@pytest.mark.slow
 def test_stop_ends_the_run_cleanly_and_eval_is_reported_per_source(tmp_path):
   """A small text source at 0.5 runs out within a few steps: exit 0, a clear line, a
   checkpoint at the last step; eval rows hold each source's metrics and the overall
@@ -261,7 +262,7 @@ def test_sigkill_and_resume_equal_an_uninterrupted_mixture_run(tmp_path):
       last_eval(full))
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_a_stopped_mixture_run_rerun_ends_at_the_same_step(tmp_path):
   small = _small_text(str(tmp_path / "small"))
   flags = (f"--config.data.mixture={WELLS}=0.5,{small}=0.5",
@@ -277,7 +278,7 @@ def test_a_stopped_mixture_run_rerun_ends_at_the_same_step(tmp_path):
   assert restart.returncode == 0 and max(losses(str(tmp_path / "restart"))) == 40
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_two_processes_of_a_mixture_match_one(tmp_path):
   flags = (*MIX, "--config.train.num_steps=6")
   single = str(tmp_path / "single")

@@ -253,8 +253,8 @@ def _checkpoint_dir(workdir):
   return os.path.join(workdir, "checkpoints")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("victim", [1, 0])
+@pytest.mark.parametrize("victim", [pytest.param(1, marks=pytest.mark.slow),
+                                    pytest.param(0, marks=pytest.mark.long)])
 def test_a_host_killed_between_two_hosts_seals_stops_the_other_and_both_resume(
     victim, tmp_path):
   """Process `victim` dies by SIGKILL after orbax committed step 20 but before its own

@@ -31,7 +31,11 @@ def stores():
           for family in ("bert", "t5", "gpt")}
 
 
-@pytest.mark.parametrize("objective", sorted(CASES))
+# The encoder-decoder and MLM cases compile the largest programs: the slow tier.
+@pytest.mark.parametrize("objective", [
+    pytest.param(name, marks=pytest.mark.slow)
+    if name in ("bert_mlm", "span_corruption", "prefix_lm_encdec") else name
+    for name in sorted(CASES)])
 def test_objective_batches_feed_the_model(objective, stores):
   family, kwargs, make_config = CASES[objective]
   vocab = default_vocab(family)

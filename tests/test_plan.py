@@ -178,6 +178,7 @@ def test_memory_estimate_within_2x_of_xla_on_cpu(cpu_plans, remat):
   assert xla["flops"] > 0
 
 
+@pytest.mark.slow
 def test_remat_full_saves_memory_in_estimate_and_in_xla(cpu_plans):
   none, full = (cpu_plans[r]["phases"][0] for r in ("none", "full"))
   assert full["memory"]["total_bytes"] < none["memory"]["total_bytes"]

@@ -21,7 +21,7 @@ from t5x_like.data.sources import JsonlFiles
 from t5x_like.data.store import split_held_out
 from t5x_like.data.tokenize import build_store
 from t5x_like.data.vocab import default_vocab
-from helpers import ROOT
+from helpers import ROOT, xla_flags
 
 CONFIGS = os.path.join(ROOT, "configs")
 T5 = f"{CONFIGS}/t5_cpu.py:smoke"
@@ -107,7 +107,8 @@ def _metrics(workdir):
   return [{k: v for k, v in r.items() if "loss" in k or "accuracy" in k} for r in rows]
 
 
-@pytest.mark.parametrize("config", [pytest.param(T5, marks=pytest.mark.slow), BERT])
+@pytest.mark.parametrize("config", [pytest.param(T5, marks=pytest.mark.long),
+                                    pytest.param(BERT, marks=pytest.mark.slow)])
 def test_a_run_on_a_prepared_corpus_equals_the_in_memory_run(config, tmp_path, jsonl):
   source = f"--config.data.source={jsonl}" if config == T5 else "--config.data.source=embedded"
   assert _prepare(config, tmp_path / "prepared", source, "--num_workers=1") == 0
@@ -140,7 +141,7 @@ def test_each_host_reads_only_its_share(jsonl, tmp_path):
   assert 0.3 * single < host0 < 0.7 * single
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_two_processes_on_a_prepared_corpus_match_one(tmp_path, prepared_t5):
   """2 processes x 4 CPU devices (jax.distributed) reading one prepared corpus give the
   losses of 1 process x 8 devices."""
@@ -152,7 +153,7 @@ def test_two_processes_on_a_prepared_corpus_match_one(tmp_path, prepared_t5):
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  env["XLA_FLAGS"] = xla_flags(4)
   procs = [subprocess.Popen(
       [sys.executable, "-m", "t5x_like.cli", "train", f"--config={T5}",
        f"--workdir={tmp_path / 'multi'}", "--config.train.num_steps=4",
@@ -212,9 +213,10 @@ def _two_books():
   return ",".join(corpus.book_names()[:2])
 
 
-@pytest.mark.parametrize("kind", ["missing shard", "truncated shard", "flipped byte",
-                                  "flipped byte, full check", "older format", "no manifest",
-                                  "other vocabulary"])
+@pytest.mark.parametrize("kind", [
+    "missing shard", "truncated shard",
+    pytest.param("flipped byte", marks=pytest.mark.slow),  # found mid-run: it compiles a step
+    "flipped byte, full check", "older format", "no manifest", "other vocabulary"])
 def test_a_damaged_or_foreign_corpus_stops_the_run_in_one_line(kind, prepared_t5, tmp_path,
                                                                capsys):
   import shutil

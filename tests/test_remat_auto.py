@@ -183,7 +183,7 @@ def test_a_small_budget_takes_the_first_recomputing_policy_that_fits():
       ("none", none, False), ("dots", dots, True)]
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_every_candidate_compiled_in_order_when_none_fits():
   _, model, optimizer, schedule, mesh, rules, shapes = _tiny()
   totals = {p: _compiled_total(model, p, optimizer, schedule, mesh, rules, shapes)

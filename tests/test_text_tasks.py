@@ -213,6 +213,7 @@ def test_bag_of_pieces_equals_sklearn(tmp_path):
   assert result["l2"] in bag_of_pieces.L2_GRID and 0.5 < result["test_accuracy"] <= 1
 
 
+@pytest.mark.slow
 def test_finetune_scores_the_test_file(tmp_path, monkeypatch):
   """configs/text_tasks.py reads train/dev/test.csv and scores test.csv, not dev.csv
   again: with test.csv = dev.csv, labels flipped, the test predictions are the dev
@@ -244,6 +245,7 @@ def test_finetune_scores_the_test_file(tmp_path, monkeypatch):
   assert abs(final["test_accuracy"] - (1 - final["accuracy"])) < 1e-9
 
 
+@pytest.mark.slow
 def test_t5_encoder_head_end_to_end(tmp_path, monkeypatch, capsys):
   """--config.task.text_to_text=false: T5's encoder under a head (with layer decay) is
   trained and scored as a classifier, without rank_* metrics; a task without a head on
@@ -269,7 +271,7 @@ def test_t5_encoder_head_end_to_end(tmp_path, monkeypatch, capsys):
   assert not os.path.exists("ft_regression")
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_experiment_driver_end_to_end_and_resumes(tmp_path, capsys):
   """The driver (smoke configs): pretraining, lr selection, every count x seed, the
   baseline and the tables for BERT and T5; a second call runs nothing again; a

@@ -15,7 +15,7 @@ from t5x_like.errors import NonFiniteLossError
 from t5x_like.models.attention_kernels import PALLAS_INTERPRET_ENV
 from t5x_like.train import loop
 from t5x_like.train.metrics import read_jsonl
-from helpers import ROOT, load_config, train_two_processes
+from helpers import ROOT, load_config, train_two_processes, xla_flags
 
 CONFIGS = os.path.join(ROOT, "configs")
 
@@ -30,7 +30,7 @@ def _train_command(config: str, workdir: str, *extra: str) -> list[str]:
 
 def _env(devices: int = 8) -> dict:
   env = dict(os.environ)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env["XLA_FLAGS"] = xla_flags(devices)
   env["JAX_PLATFORMS"] = "cpu"
   return env
 
@@ -82,9 +82,9 @@ PALLAS_GPU_DROPOUT = ("--config.model.attention_impl=pallas_gpu",
                       "--config.model.overrides.attention_dropout_rate=0.1")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("config, extra", [("bert_cpu.py:smoke", PALLAS_DROPOUT),
-                                           ("bert_cpu.py:smoke", PALLAS_GPU_DROPOUT)],
+@pytest.mark.parametrize("config, extra", [
+    pytest.param("bert_cpu.py:smoke", PALLAS_DROPOUT, marks=pytest.mark.slow),
+    pytest.param("bert_cpu.py:smoke", PALLAS_GPU_DROPOUT, marks=pytest.mark.long)],
                          ids=["bert-pallas-dropout", "bert-pallas-gpu-dropout"])
 def test_sigkill_and_resume_reproduce_every_loss_bit_for_bit(config, extra, tmp_path,
                                                              monkeypatch):
@@ -137,7 +137,7 @@ def test_sigterm_and_sigint_save_a_checkpoint_and_exit_128_plus_signal(signum, t
 
 
 # ------------------------------------------------------------------------ phases
-@pytest.mark.slow
+@pytest.mark.long
 def test_two_phase_run_changes_length_and_resumes_from_the_phase_one_checkpoint(tmp_path,
                                                                                   capsys):
   """BERT's recipe in small: phase 1 at length 64, phase 2 at 128 with more predictions.
@@ -168,6 +168,7 @@ def test_two_phase_run_changes_length_and_resumes_from_the_phase_one_checkpoint(
 
 
 # ------------------------------------------------------------ paths
+@pytest.mark.slow
 def test_relative_and_absolute_workdirs_are_one_run(tmp_path, monkeypatch, caplog):
   """A run started with a relative workdir, resumed through its absolute path, then rerun
   through the relative path once finished: one run, no checkpoint called corrupt."""
@@ -250,7 +251,6 @@ def _unigram_entropy(objective) -> float:
   return float(-(p * np.log(p)).sum())
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name, variant, metric, steps, batch_size, lr, margin", [
     # Margins in nats below the unigram entropy (6.33; eval on held-out text, bf16), set
     # under what each reaches here in CI time (measured 2026-11-22, +-0.1 between runs:
@@ -259,9 +259,9 @@ def _unigram_entropy(objective) -> float:
     # 16). MLM learns slowest: a masked position holds nothing about its token, so
     # attention must first learn to read the neighbours;
     # GPT-2's tied output embedding learns slower than T5 v1.1's untied one.
-    ("bert_cpu", "smoke", "mlm_loss", 600, 64, 3e-3, 0.3),
-    ("gpt_cpu", "", "token_loss", 250, 16, 3e-3, 0.15),
-    ("t5_cpu", "smoke", "token_loss", 150, 16, 0.02, 1.0)])
+    pytest.param("bert_cpu", "smoke", "mlm_loss", 600, 64, 3e-3, 0.3, marks=pytest.mark.long),
+    pytest.param("gpt_cpu", "", "token_loss", 250, 16, 3e-3, 0.15, marks=pytest.mark.long),
+    pytest.param("t5_cpu", "smoke", "token_loss", 150, 16, 0.02, 1.0, marks=pytest.mark.slow)])
 def test_tiny_configs_learn_below_the_unigram_baseline(name, variant, metric, steps,
                                                        batch_size, lr, margin, tmp_path):
   config = _load_config(name, variant)

@@ -21,7 +21,7 @@ from t5x_like.train import metrics as metrics_lib
 from t5x_like.train.metrics import MetricWriter, read_jsonl
 from t5x_like.workdir_lock import LOCK_NAME, WorkdirLock, WorkdirLockedError
 
-from helpers import ROOT
+from helpers import ROOT, xla_flags
 
 
 # A contender: acquires (once the go file appears, if given: it says "ready" first),
@@ -326,7 +326,7 @@ def test_train_on_a_gs_workdir_resumes_and_a_second_trainer_is_refused(gcs, tmp_
   data cache, metrics, lock) for 10 steps; then a rerun to 20 resumes at 10, and a
   third trainer started meanwhile exits 2 naming it. Nothing local is named gs:."""
   workdir = f"gs://bucket/e2e-{time.time_ns()}"
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  env = dict(os.environ, XLA_FLAGS=xla_flags(8),
              JAX_PLATFORMS="cpu")
   first = subprocess.run(_cli(workdir, "--config.train.num_steps=10"), cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=600)
