@@ -90,7 +90,7 @@ def _run(capsys, argv):
                                                         marks=pytest.mark.slow),
                                            ("configs/gpt_cpu.py:smoke", True),
                                            pytest.param("configs/t5_cpu.py:smoke", True,
-                                                        marks=pytest.mark.slow)])
+                                                        marks=pytest.mark.long)])
 def test_bench_model_reports_consistent_figures(capsys, config, decode):
   code, out, err = _run(capsys, ["bench", "model", "--config", config, "--steps", "3",
                                  "--warmup", "1", "--config.train.batch_size=8"])
@@ -184,7 +184,7 @@ def test_bench_bad_input_exits_2(capsys, argv, message):
   assert message in err
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_console_command_runs_with_huge_pages_and_leaves_out_an_absent_tpu():
   """The installed `t5x-like` restarts itself with glibc's huge-page tunable (cli.py);
   the bench records its environment. With libtpu installed (the test extra) on a host

@@ -8,7 +8,7 @@ import pytest
 from t5x_like import cli
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_bench_attention_checks_every_kernel_here(capsys):
   code = cli.main(["bench", "attention", "--batch", "1", "--length", "128", "--heads", "2",
                    "--kv_heads", "1", "--head_dim", "16", "--steps", "1", "--dtype", "float32",

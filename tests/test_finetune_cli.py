@@ -168,7 +168,7 @@ def test_finetune_starts_from_the_pretrained_checkpoint(tmp_path, task_dir,
       np.mean([p["prediction"] == p["label"] for p in predictions]))
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_layer_decay_scales_each_layer_s_first_step(tmp_path, task_dir, bert_workdir):
   """optimizer.layer_decay=0.5 from the pretrained backbone: Adam's first step moves
   each parameter's largest-gradient element by the same lr x c (|g| >> eps), times

@@ -154,7 +154,7 @@ T5_ROWS = [("The old man", " was tired"), ("It was a dark and stormy night", " a
            ("A", " long long time ago, in a land far away")]
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_t5_score_matches_teacher_forcing(t5_workdir, tmp_path):
   input_path = _write_jsonl(tmp_path / "in.jsonl", [
       json.dumps({"question": t, "answer": a}) for t, a in T5_ROWS])
@@ -195,7 +195,7 @@ def test_t5_beam_search_scores_its_own_output(t5_workdir, tmp_path):
 
 
 # -------------------------------------------------------------------------- BERT
-@pytest.mark.slow
+@pytest.mark.long
 def test_bert_fill_mask_matches_softmax(bert_workdir, tmp_path):
   texts = ["The [MASK] sat on the [MASK].", "He went [MASK] home", "no mask here"]
   input_path = _write_jsonl(tmp_path / "in.jsonl", [json.dumps({"text": t}) for t in texts])

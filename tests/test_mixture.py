@@ -239,7 +239,7 @@ def test_plan_reads_the_recipe_s_mixture():
 MIX = (f"--config.data.mixture={AUSTEN}=0.8,{WELLS}=0.2",)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_sigkill_and_resume_equal_an_uninterrupted_mixture_run(tmp_path):
   full = str(tmp_path / "full")
   done = run_child(train_command("bert_cpu.py:smoke", full, *MIX))

@@ -253,7 +253,7 @@ def test_prepare_refuses_a_non_empty_folder_unless_asked(tmp_path, capsys):
   assert not (out / "keep.txt").exists() and (out / "manifest.json").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_prepare_and_train_on_gcs(gcs, prepared_t5, tmp_path):
   """prepare --out gs://... and a run reading prepared:gs://... (a local fake GCS)."""
   url = "gs://bucket/prepared/t5"

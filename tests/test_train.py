@@ -83,7 +83,7 @@ PALLAS_GPU_DROPOUT = ("--config.model.attention_impl=pallas_gpu",
 
 
 @pytest.mark.parametrize("config, extra", [
-    pytest.param("bert_cpu.py:smoke", PALLAS_DROPOUT, marks=pytest.mark.slow),
+    pytest.param("bert_cpu.py:smoke", PALLAS_DROPOUT, marks=pytest.mark.long),
     pytest.param("bert_cpu.py:smoke", PALLAS_GPU_DROPOUT, marks=pytest.mark.long)],
                          ids=["bert-pallas-dropout", "bert-pallas-gpu-dropout"])
 def test_sigkill_and_resume_reproduce_every_loss_bit_for_bit(config, extra, tmp_path,
