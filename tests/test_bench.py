@@ -87,7 +87,7 @@ def _run(capsys, argv):
 
 
 @pytest.mark.parametrize("config,decode", [pytest.param("configs/bert_cpu.py:smoke", False,
-                                                        marks=pytest.mark.slow),
+                                                        marks=pytest.mark.long),
                                            ("configs/gpt_cpu.py:smoke", True),
                                            pytest.param("configs/t5_cpu.py:smoke", True,
                                                         marks=pytest.mark.long)])
@@ -140,7 +140,7 @@ def test_bench_model_reports_consistent_figures(capsys, config, decode):
         8 / out["decode"]["step_seconds_median"], rel=5e-3)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_bench_compile_reports_each_depth(capsys):
   code, out, err = _run(capsys, ["bench", "compile", *_TINY_BERT, "--layers", "1,3"])
   assert code == 0, err
@@ -150,7 +150,7 @@ def test_bench_compile_reports_each_depth(capsys):
   assert all(r["compile_seconds"] > 0 for r in rows)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_bench_bert_vs_torch_runs_both_frameworks(capsys):
   code, out, err = _run(capsys, ["bench", "bert-vs-torch", *_TINY_BERT, "--steps", "1",
                                  "--rounds", "2", "--warmup", "1"])

@@ -5,8 +5,9 @@ Datasets are built here in array_record with the real datasets' features
 (tests/tfds_fixtures.py), or mocked by tfds.testing.mock_data from those features;
 nothing is downloaded. Expected metrics come from scikit-learn / scipy and from the
 GLUE / SuperGLUE / SQuAD file formats written out by hand, never from the code under
-test. The default tier runs three tasks end to end; the slow tier one of each kind and
-family (SLOW_TIER), the CLI's suite and bad-input cases; the long tier every config.
+test. The default tier runs three tasks end to end (single texts, pairs, spans; BERT
+and T5); the slow tier the CLI's bad-input cases; the long tier every config and the
+suite end to end.
 """
 
 from __future__ import annotations
@@ -103,16 +104,7 @@ def tfds_labels(name: str) -> list[str]:
 
 # ------------------------------------------------------------------ end to end
 DEFAULT_TIER = [("glue/cola", "t5"), ("glue/stsb", "bert"), ("squad/v2.0", "bert")]
-# The slow tier: three classes from pairs, regression as text, multiple choice (spans
-# and single texts are in the default tier); the rest: long.
-SLOW_TIER = [("glue/mnli", "bert"), ("glue/stsb", "t5"), ("super_glue/copa", "bert")]
 EVERY = [(name, family) for name in BENCHMARKS for family in ("bert", "t5")]
-
-
-def _tiered(pairs):
-  """pytest params: SLOW_TIER's in the slow tier, the others in the long one."""
-  return [pytest.param(*p, marks=pytest.mark.slow if p in SLOW_TIER else pytest.mark.long)
-          for p in pairs]
 
 
 @pytest.mark.parametrize("name,family", DEFAULT_TIER)
@@ -121,7 +113,8 @@ def test_benchmark_end_to_end_on_a_local_build(name, family, data_dir, tmp_path)
   _check_outputs(name, result, tmp_path)
 
 
-@pytest.mark.parametrize("name,family", _tiered([p for p in EVERY if p not in DEFAULT_TIER]))
+@pytest.mark.long
+@pytest.mark.parametrize("name,family", [p for p in EVERY if p not in DEFAULT_TIER])
 def test_every_benchmark_config_end_to_end(name, family, data_dir, tmp_path):
   _check_outputs(name, _finetune(name, family, data_dir, tmp_path), tmp_path)
 
@@ -141,7 +134,7 @@ def _mock(data_dir, name):
 
 
 @pytest.mark.parametrize("name,family", [("glue/mrpc", "bert"),
-                                         pytest.param("glue/qnli", "t5", marks=pytest.mark.slow)])
+                                         pytest.param("glue/qnli", "t5", marks=pytest.mark.long)])
 def test_benchmark_end_to_end_on_tfds_mock_data(name, family, data_dir, tmp_path):
   with _mock(data_dir, name):  # nothing built under this data dir
     result = _finetune(name, family, str(tmp_path / "no_data"), tmp_path / "run")
@@ -154,7 +147,8 @@ def test_benchmark_end_to_end_on_tfds_mock_data(name, family, data_dir, tmp_path
     assert os.path.isfile(tmp_path / "run" / "submission" / file)
 
 
-@pytest.mark.parametrize("name,family", _tiered(EVERY))
+@pytest.mark.long
+@pytest.mark.parametrize("name,family", EVERY)
 def test_every_benchmark_config_on_tfds_mock_data(name, family, data_dir, tmp_path):
   with _mock(data_dir, name):
     result = _finetune(name, family, str(tmp_path / "no_data"), tmp_path / "run")
@@ -257,7 +251,7 @@ def test_t5_inputs_are_the_t5_papers_format():
 
 
 # ------------------------------------------------------------------ the suite
-@pytest.mark.slow  # two CLI runs of two tasks each: ~35 s
+@pytest.mark.long  # two CLI runs of two tasks each: ~35 s
 def test_finetune_suite_prints_one_table_and_resumes(data_dir, tmp_path):
   cmd = cli_command("finetune-suite", f"--config={ROOT}/configs/glue.py:smoke",
                     f"--workdir={tmp_path}", "--tasks=rte,stsb",

@@ -111,7 +111,7 @@ def _sealed(workdir) -> list[int]:
       for f in ("commit_success.txt", "checksums.process_0.json")))
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_second_ctrl_c_during_the_save_exits_130_at_once_in_one_line(tmp_path):
   workdir = str(tmp_path / "run")
   stderr_path = tmp_path / "stderr.txt"

@@ -537,7 +537,7 @@ def _toy_rows(rng, n):
   return rows
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_tiny_bert_finetunes_to_high_accuracy_with_the_train_step(tmp_path):
   vocab = tmp_path / "vocab.txt"
   vocab.write_text("\n".join(SPECIALS + POSITIVE + NEGATIVE + FILLER) + "\n")

@@ -150,9 +150,9 @@ def test_bad_arguments_are_user_errors(tmp_path, capsys):
   assert "task='nope'" in capsys.readouterr().err
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("variant,fixture", [
-    pytest.param("bert,smoke,task=unseen", "unseen", marks=pytest.mark.slow),
-    pytest.param("t5,smoke,task=within", "within", marks=pytest.mark.long)])
+    ("bert,smoke,task=unseen", "unseen"), ("t5,smoke,task=within", "within")])
 def test_smoke_finetune_on_each_variant(variant, fixture, tmp_path, request):
   out, _ = request.getfixturevalue(fixture)
   workdir = str(tmp_path / "ft")

@@ -237,7 +237,7 @@ def test_finetune_sigterm_saves_exits_143_and_resumes(tmp_path, task_dir):
   assert losses("cut") == losses("whole")
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_finetune_killed_at_a_random_step_resumes_to_the_same_losses(tmp_path, task_dir):
   """SIGKILL (no chance to save) at a random step; the rerun resumes from the last
   checkpoint and gives every loss, dev metric and parameter of an uninterrupted run,
@@ -296,7 +296,7 @@ def test_two_processes_fine_tune_like_one(variant, tmp_path, task_dir, bert_work
   assert read("multi") == read("single")
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_regression_task_end_to_end(tmp_path, task_dir):
   """The README's worked example of a new task type runs as any other: a score per
   passage (its share of words starting with a capital), Pearson / Spearman / MSE."""
@@ -325,7 +325,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_finetune_from_a_hugging_face_bert_with_its_vocab_txt(tmp_path, task_dir, capsys):
   import torch
   import transformers
@@ -354,7 +354,7 @@ def test_finetune_from_a_hugging_face_bert_with_its_vocab_txt(tmp_path, task_dir
 
 
 # ------------------------------------------------------------------ text to text
-@pytest.mark.slow
+@pytest.mark.long
 def test_t5_text_to_text_by_generation_and_by_rank(tmp_path, task_dir):
   assert _finetune(str(tmp_path), task_dir, "--config.train.num_steps=3",
                    variant="t5,smoke") == 0

@@ -221,7 +221,7 @@ def test_a_run_without_config_py_fails_naming_the_backbone_and_the_key(
   assert not os.path.exists(tmp_path / "ft")  # nothing written
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_the_random_arm_says_so(tmp_path, stsb_data_dir, main_job, capsys):
   bert = main_job
   capsys.readouterr()

@@ -97,7 +97,7 @@ def _greedy_reference(logits_fn, params, prompt_ids, max_new_tokens, eos_id):
   return out
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_gpt_greedy_matches_full_forward_loop(gpt_workdir, tmp_path, capsys):
   """Five prompts of different lengths over two batches (mesh data 4 x tensor 2, batch 3
   rounded up to 4), a blank line in the input; rows in input order, to stdout."""

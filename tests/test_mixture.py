@@ -165,7 +165,7 @@ def _small_text(directory) -> str:
   return f"text:{directory}/*.txt"
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_stop_ends_the_run_cleanly_and_eval_is_reported_per_source(tmp_path):
   """A small text source at 0.5 runs out within a few steps: exit 0, a clear line, a
   checkpoint at the last step; eval rows hold each source's metrics and the overall

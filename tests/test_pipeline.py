@@ -31,9 +31,9 @@ def stores():
           for family in ("bert", "t5", "gpt")}
 
 
-# The encoder-decoder and MLM cases compile the largest programs: the slow tier.
+# The encoder-decoder and MLM cases compile the largest programs: the long tier.
 @pytest.mark.parametrize("objective", [
-    pytest.param(name, marks=pytest.mark.slow)
+    pytest.param(name, marks=pytest.mark.long)
     if name in ("bert_mlm", "span_corruption", "prefix_lm_encdec") else name
     for name in sorted(CASES)])
 def test_objective_batches_feed_the_model(objective, stores):

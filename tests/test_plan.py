@@ -161,7 +161,7 @@ def cpu_plans():
   return {remat: make_plan(_local_config(remat), topology) for remat in ("none", "full")}
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_memory_estimate_within_2x_of_xla_on_cpu(cpu_plans, remat):
   plan = cpu_plans[remat]
@@ -178,7 +178,7 @@ def test_memory_estimate_within_2x_of_xla_on_cpu(cpu_plans, remat):
   assert xla["flops"] > 0
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_remat_full_saves_memory_in_estimate_and_in_xla(cpu_plans):
   none, full = (cpu_plans[r]["phases"][0] for r in ("none", "full"))
   assert full["memory"]["total_bytes"] < none["memory"]["total_bytes"]

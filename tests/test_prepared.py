@@ -108,7 +108,7 @@ def _metrics(workdir):
 
 
 @pytest.mark.parametrize("config", [pytest.param(T5, marks=pytest.mark.long),
-                                    pytest.param(BERT, marks=pytest.mark.slow)])
+                                    pytest.param(BERT, marks=pytest.mark.long)])
 def test_a_run_on_a_prepared_corpus_equals_the_in_memory_run(config, tmp_path, jsonl):
   source = f"--config.data.source={jsonl}" if config == T5 else "--config.data.source=embedded"
   assert _prepare(config, tmp_path / "prepared", source, "--num_workers=1") == 0
@@ -215,7 +215,7 @@ def _two_books():
 
 @pytest.mark.parametrize("kind", [
     "missing shard", "truncated shard",
-    pytest.param("flipped byte", marks=pytest.mark.slow),  # found mid-run: it compiles a step
+    pytest.param("flipped byte", marks=pytest.mark.long),  # found mid-run: it compiles a step
     "flipped byte, full check", "older format", "no manifest", "other vocabulary"])
 def test_a_damaged_or_foreign_corpus_stops_the_run_in_one_line(kind, prepared_t5, tmp_path,
                                                                capsys):

@@ -201,7 +201,7 @@ def test_every_candidate_compiled_in_order_when_none_fits():
   assert {c.policy: c.total_bytes for c in choice.candidates} == totals
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_train_and_finetune_log_the_choice(tmp_path, capsys):
   """`train` with auto, then `finetune` from a pretraining config that says auto."""
   bert = CONFIGS / "bert_cpu.py"

@@ -220,7 +220,7 @@ def test_every_says_when_to_log_checkpoint_and_evaluate():
 
 
 # ------------------------------------------------------- a finished fine-tuning rerun
-@pytest.mark.slow
+@pytest.mark.long
 def test_rerun_of_a_finished_finetune_writes_the_same_outputs(tmp_path, capsys):
   task = str(tmp_path / "books")
   assert cli.main(["task", "books", "--out", task, "--num_blocks", "4", "--block_words",

@@ -213,7 +213,7 @@ def test_bag_of_pieces_equals_sklearn(tmp_path):
   assert result["l2"] in bag_of_pieces.L2_GRID and 0.5 < result["test_accuracy"] <= 1
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_finetune_scores_the_test_file(tmp_path, monkeypatch):
   """configs/text_tasks.py reads train/dev/test.csv and scores test.csv, not dev.csv
   again: with test.csv = dev.csv, labels flipped, the test predictions are the dev
@@ -245,7 +245,7 @@ def test_finetune_scores_the_test_file(tmp_path, monkeypatch):
   assert abs(final["test_accuracy"] - (1 - final["accuracy"])) < 1e-9
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_t5_encoder_head_end_to_end(tmp_path, monkeypatch, capsys):
   """--config.task.text_to_text=false: T5's encoder under a head (with layer decay) is
   trained and scored as a classifier, without rank_* metrics; a task without a head on

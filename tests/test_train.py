@@ -168,7 +168,7 @@ def test_two_phase_run_changes_length_and_resumes_from_the_phase_one_checkpoint(
 
 
 # ------------------------------------------------------------ paths
-@pytest.mark.slow
+@pytest.mark.long
 def test_relative_and_absolute_workdirs_are_one_run(tmp_path, monkeypatch, caplog):
   """A run started with a relative workdir, resumed through its absolute path, then rerun
   through the relative path once finished: one run, no checkpoint called corrupt."""
@@ -261,7 +261,7 @@ def _unigram_entropy(objective) -> float:
     # GPT-2's tied output embedding learns slower than T5 v1.1's untied one.
     pytest.param("bert_cpu", "smoke", "mlm_loss", 600, 64, 3e-3, 0.3, marks=pytest.mark.long),
     pytest.param("gpt_cpu", "", "token_loss", 250, 16, 3e-3, 0.15, marks=pytest.mark.long),
-    pytest.param("t5_cpu", "smoke", "token_loss", 150, 16, 0.02, 1.0, marks=pytest.mark.slow)])
+    pytest.param("t5_cpu", "smoke", "token_loss", 150, 16, 0.02, 1.0, marks=pytest.mark.long)])
 def test_tiny_configs_learn_below_the_unigram_baseline(name, variant, metric, steps,
                                                        batch_size, lr, margin, tmp_path):
   config = _load_config(name, variant)

@@ -151,7 +151,7 @@ def _glue_dev_sentences() -> list[str]:
   return out
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.skipif(not os.path.isdir(GLUE_DIR), reason="no ../shared/data/glue")
 def test_ids_equal_the_python_reference_on_glue_dev(pair):
   cased, ours, legacy = pair
