@@ -88,7 +88,8 @@ def _run(capsys, argv):
 
 @pytest.mark.parametrize("config,decode", [pytest.param("configs/bert_cpu.py:smoke", False,
                                                         marks=pytest.mark.long),
-                                           ("configs/gpt_cpu.py:smoke", True),
+                                           pytest.param("configs/gpt_cpu.py:smoke", True,
+                                                        marks=pytest.mark.slow),
                                            pytest.param("configs/t5_cpu.py:smoke", True,
                                                         marks=pytest.mark.long)])
 def test_bench_model_reports_consistent_figures(capsys, config, decode):
