@@ -288,7 +288,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_two_processes_of_four_devices_match_one_of_eight(tmp_path):
   single = str(tmp_path / "single")
   done = _run(_train_command("bert_cpu.py:smoke", single, "--config.train.num_steps=6"))
