@@ -151,3 +151,27 @@ def test_study_refuses_bad_flags_and_missing_data(tmp_path):
   with pytest.raises(UserError, match="RTE/train.tsv"):
     run("--tasks", "rte")
   assert not os.path.exists(tmp_path / "w")
+
+
+def test_task_text_groups_examples_into_documents_of_paragraphs(tmp_path, monkeypatch):
+  """Pretraining text from train only: runs of EXAMPLES_PER_DOCUMENT examples, every
+  text (a pair's two, in order) a paragraph of its own, so a BERT instance holds whole
+  pairs; the count returned is that of examples (the mixture's square-root shares)."""
+  from test_benchmark_files import write_files
+  from t5x_like.studies import glue_experiment
+  data = write_files(tmp_path / "glue")
+  with open(tmp_path / "glue" / "STS-B" / "train.tsv", "a") as f:
+    f.writelines(f"{k}\tg\tf\ty\t{k}\tn\tn\tA man {k}.\tA dog {k}.\t{k % 5}.0\n"
+                 for k in range(5, 15))
+  monkeypatch.setattr(glue_experiment, "EXAMPLES_PER_DOCUMENT", 4)
+  counts = glue_experiment.write_task_text(["stsb"], data, str(tmp_path / "study"))
+  path = str(tmp_path / "study" / "corpus" / "stsb.jsonl")
+  docs = [json.loads(line) for line in open(path)]
+  train = open(tmp_path / "glue" / "STS-B" / "train.tsv").read().splitlines()[1:]
+  assert counts == {path: len(train)} == {path: sum(d["examples"] for d in docs)}
+  assert [d["examples"] for d in docs] == [4] * (len(train) // 4) + (
+      [len(train) % 4] if len(train) % 4 else [])
+  texts = [p for d in docs for p in d["text"].split("\n\n")]
+  pairs = list(zip(texts[::2], texts[1::2]))  # in the reader's order
+  assert sorted(pairs) == sorted(tuple(row.split("\t")[7:9]) for row in train)
+  assert "A plane." not in texts  # dev's

@@ -227,6 +227,7 @@ def test_train_and_finetune_log_the_choice(tmp_path, capsys):
 
 # ------------------------------------------------------------------ TPU (deviceless)
 @pytest.mark.tpu
+@pytest.mark.long  # the TPU tier's longest by far: .ci/long, not .ci/run
 def test_plan_on_a_v5e_slice_compiles_and_picks_a_recomputing_policy(capsys):
   """bert_cpu.py:mini scanned, 1056 rows of 128 per chip on a v5e-4: 'none' does not fit
   90% of the chip's 16 GiB (at 512 rows it compiles to 7.2 GiB, 'dots' to 5.9), a

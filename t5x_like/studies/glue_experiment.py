@@ -8,8 +8,8 @@ data_dir holds GLUE's own files (CoLA/train.tsv ..., as GLUE's download script l
 out) or a TFDS build. Every stage skips what an earlier call finished, so a call resumes
 an interrupted one:
 
-  corpus    the unlabeled text of the tasks' train splits (never dev or test), one
-            document per example, WORKDIR/corpus/TASK.jsonl: task-adaptive pretraining
+  corpus    the unlabeled text of the tasks' train splits (never dev or test), a
+            document per 32 examples, WORKDIR/corpus/TASK.jsonl: task-adaptive pretraining
             (Gururangan et al. 2020), beside --books (the embedded corpus by default)
   pretrain  `t5x-like train --config configs/{bert,t5}_cpu.py:glue` on the mixture
             {books: 1 - task_text_rate, each task's text: task_text_rate shared by the
@@ -49,10 +49,16 @@ ARMS = ("pretrained", "random")
 
 
 # --------------------------------------------------------------------------- stages
+EXAMPLES_PER_DOCUMENT = 32
+
+
 def write_task_text(tasks: list[str], data_dir: str, workdir: str) -> dict[str, int]:
-  """WORKDIR/corpus/TASK.jsonl: {"text": ...} per training example of each task (a
-  pair's two texts joined, so NSP and span corruption see them together); {path: the
-  number of documents}."""
+  """WORKDIR/corpus/TASK.jsonl: {"text": ..., "examples": k} per run of
+  EXAMPLES_PER_DOCUMENT consecutive training examples of each task, every text a
+  paragraph of its own (a pair's two texts one after the other). One short example per
+  document would leave most of a 128-token BERT instance as padding; grouped, an
+  instance holds whole pairs, and a masked word of one text can be read in its pair's
+  other. Returns {path: the number of examples}."""
   from t5x_like.benchmarks.registry import benchmark
   from t5x_like.benchmarks.sources import open_examples
   out = {}
@@ -62,20 +68,25 @@ def write_task_text(tasks: list[str], data_dir: str, workdir: str) -> dict[str, 
       os.makedirs(os.path.dirname(path), exist_ok=True)
       bench = benchmark(f"glue/{task}")
       part = open_examples(bench, "train", data_dir)
+      texts = []
+      for example in part.examples:
+        row = bench.record(example, False, part.label_names or ["0"])
+        texts.append([t.strip() for t in (row["text"], row.get("text_pair", ""))
+                      if t and t.strip()])
       with open(path + ".tmp", "w", encoding="utf-8") as f:
-        for example in part.examples:
-          row = bench.record(example, False, part.label_names or ["0"])
-          text = " ".join(t.strip() for t in (row["text"], row.get("text_pair", "")) if t)
-          f.write(json.dumps({"text": text}) + "\n")
+        for start in range(0, len(texts), EXAMPLES_PER_DOCUMENT):
+          group = texts[start:start + EXAMPLES_PER_DOCUMENT]
+          text = "\n\n".join(t for example in group for t in example)
+          f.write(json.dumps({"text": text, "examples": len(group)}) + "\n")
       os.replace(path + ".tmp", path)
     with open(path, encoding="utf-8") as f:
-      out[path] = sum(1 for _ in f)
+      out[path] = sum(json.loads(line)["examples"] for line in f)
   return out
 
 
 def pretraining_mixture(books: str, task_text: dict[str, int], rate: float) -> dict:
   """{source spec: rate}: books at 1 - rate; the tasks' text at rate, shared in
-  proportion to the square root of each task's documents (temperature-2 sampling, so
+  proportion to the square root of each task's examples (temperature-2 sampling, so
   SST-2's 67k phrases do not drown the sentence pairs of STS-B, MRPC and RTE)."""
   roots = {path: n ** 0.5 for path, n in task_text.items()}
   mixture = {books: round(1 - rate, 6)}
