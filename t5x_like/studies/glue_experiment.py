@@ -72,7 +72,7 @@ def write_task_text(tasks: list[str], data_dir: str, workdir: str) -> dict[str, 
       for example in part.examples:
         row = bench.record(example, False, part.label_names or ["0"])
         texts.append([t.strip() for t in (row["text"], row.get("text_pair", ""))
-                      if t and t.strip()])
+                      if t.strip()])
       with open(path + ".tmp", "w", encoding="utf-8") as f:
         for start in range(0, len(texts), EXAMPLES_PER_DOCUMENT):
           group = texts[start:start + EXAMPLES_PER_DOCUMENT]
