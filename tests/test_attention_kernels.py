@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from t5x_like import models
-from t5x_like.models.attention_core import attend, choose_kernel, record_kernels
+from t5x_like.models.attention_core import (attend, choose_kernel, record_kernels,
+                                            tracing_for)
 from t5x_like.models.attention_kernels import pallas_interpret
 from t5x_like.models.masks import mask_spec
 
@@ -251,6 +252,26 @@ def test_auto_picks_per_backend(backend, dtype, dropout, length, want):
   assert choice.reason
 
 
+@pytest.mark.parametrize("length, biased, want", [
+    (29, True, "xla"),  # T5's 29-token targets under a relative-position bias
+    (29, False, "cudnn"),  # causal-only: no bias reaches cuDNN
+    (30, True, "cudnn"),
+])
+def test_auto_leaves_cudnn_where_a_bias_meets_an_odd_length(length, biased, want):
+  """jax's check_is_flash_attention rejects a training call with a bias (a padding mask
+  becomes one) and an odd length: 'Unsupported sequence length Q 29, KV 29', met on an
+  H100 by T5's 128-token span corruption. 'auto' must not pick cuDNN there, and a
+  configured 'cudnn' says why before tracing reaches jax."""
+  choice = choose_kernel("auto", backend="gpu", dtype=jnp.bfloat16, head_dim=64,
+                         q_len=length, kv_len=length, dropout=False, biased=biased)
+  assert choice.kernel == want, choice
+  if want == "xla":
+    assert "even lengths" in choice.reason
+    with pytest.raises(ValueError, match="29 x 29 with a bias"):
+      choose_kernel("cudnn", backend="gpu", dtype=jnp.bfloat16, head_dim=64, q_len=29,
+                    kv_len=29, dropout=False, biased=True)
+
+
 @pytest.mark.parametrize("kind, dtype, want", [
     ("TPU v3", jnp.bfloat16, "explicit"), ("TPU v2", jnp.bfloat16, "explicit"),
     ("TPU v3", jnp.float32, "pallas"), ("TPU v5 lite", jnp.bfloat16, "pallas"),
@@ -293,9 +314,9 @@ _TINY = {
 
 def _tiny(family, **overrides):
   name, shape = _TINY[family]
-  return models.build_model(models.preset(name, dtype="float32", dropout_rate=0.0,
-                                          attention_dropout_rate=0.0,
-                                          **{**shape, **overrides}))
+  return models.build_model(models.preset(name, **{
+      "dtype": "float32", "dropout_rate": 0.0, "attention_dropout_rate": 0.0, **shape,
+      **overrides}))
 
 
 def _loss_and_grads(model, params, batch):
@@ -331,6 +352,19 @@ def test_model_loss_and_grads_with_pallas_equal_explicit(family):
   for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5,
                                rtol=1e-4)
+
+
+def test_t5_traced_for_a_gpu_at_odd_lengths_takes_xla_attention():
+  """Every T5 attention carries a bias (relative positions) or a padding mask, so at
+  odd lengths (the 128-token span corruption's 29-token targets) 'auto' must pick XLA,
+  not the cuDNN kernel jax rejects there."""
+  model = _tiny("t5", attention_impl="auto", dtype="bfloat16")
+  batch = {"encoder_input_tokens": jnp.ones((2, 9), jnp.int32),
+           "decoder_input_tokens": jnp.ones((2, 29), jnp.int32)}
+  params = model.param_shapes({k: v.shape for k, v in batch.items()})
+  with tracing_for("gpu"), record_kernels() as kernels:
+    jax.eval_shape(model.logits, params, batch)
+  assert len(kernels) == 3 and {e["kernel"] for e in kernels.values()} == {"xla"}, kernels
 
 
 def test_record_kernels_names_each_attention():

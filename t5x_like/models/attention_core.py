@@ -17,7 +17,8 @@ Kernels (config.attention_impl; attention_kernels.py holds the fused ones):
 - "cudnn": cuDNN flash attention (GPU, bf16/fp16): a causal flag instead of a mask where
   the mask is only causal, a [B, 1, T, S] mask otherwise, a bias with its gradient, and
   dropout inside the kernel (its mask comes from cuDNN's generator, not from the dropout
-  key: a resumed run does not redraw the same masks).
+  key: a resumed run does not redraw the same masks). With a bias or a mask other than
+  causal it needs even lengths ("auto" takes "xla" for T5's 29-token targets).
 - "pallas": our Pallas flash-attention kernel for TPU (pallas_flash.py) inside
   shard_map over the mesh: segment ids, causal and prefix-LM flags for the mask, a bias
   [1 or B, N, T, S] with its gradient read block by block, and dropout drawn inside
@@ -134,16 +135,18 @@ class KernelChoice:
 
 
 def choose_kernel(impl: str, *, backend: str, dtype, head_dim: int, q_len: int, kv_len: int,
-                  dropout: bool, device_kind: str = "") -> KernelChoice:
+                  dropout: bool, device_kind: str = "", biased: bool = False) -> KernelChoice:
   """The kernel `impl` runs as on `backend` (a `device_kind` such as 'TPU v3') for one
-  attention call (module docstring).
+  attention call (module docstring); `biased`: it carries a bias or a mask other than
+  causal-only.
 
   Raises ValueError when an explicitly configured kernel cannot run this call.
   """
   if impl not in IMPLS:
     raise ValueError(f"attention impl {impl!r}: expected one of {IMPLS}")
   interpret = attention_kernels.pallas_interpreting()
-  cudnn_why = attention_kernels.cudnn_unsupported(backend, dtype, head_dim)
+  cudnn_why = attention_kernels.cudnn_unsupported(backend, dtype, head_dim, q_len, kv_len,
+                                                 biased)
   pallas_why = attention_kernels.pallas_unsupported(backend, q_len, kv_len, head_dim, interpret,
                                                     dtype=dtype, device_kind=device_kind)
   gpu_why = attention_kernels.pallas_gpu_unsupported(backend, dtype, head_dim, q_len, kv_len,
@@ -259,8 +262,10 @@ def attend(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, *,
   s = k_BxSxKxH.shape[1]
   dropout = keep is not None or (dropout_rate > 0.0 and dropout_rng is not None)
   platform, device_kind = kernel_target()
+  biased = bias is not None or not (mask is None or (isinstance(mask, MaskSpec)
+                                                     and mask.is_only_causal))
   choice = choose_kernel(impl, backend=platform, dtype=dtype, head_dim=h, q_len=t, kv_len=s,
-                         dropout=dropout, device_kind=device_kind)
+                         dropout=dropout, device_kind=device_kind, biased=biased)
   if keep is not None and choice.kernel != "explicit":
     raise ValueError("attend: an explicit dropout multiplier `keep` needs impl='explicit'")
   if name is not None:  # None: not recorded (parameter creation)

@@ -64,15 +64,22 @@ _INTERPRET: list[bool] = []
 
 
 # ---------------------------------------------------------------------------- cuDNN
-def cudnn_unsupported(backend: str, dtype, head_dim: int) -> str:
+def cudnn_unsupported(backend: str, dtype, head_dim: int, q_len: int = 0, kv_len: int = 0,
+                      biased: bool = False) -> str:
   """Why cuDNN flash attention cannot run (bf16/fp16 on a GPU, head dim <= 128 and a
-  multiple of 8), or ""."""
+  multiple of 8; with a bias, even lengths), or "". `biased`: the call carries a bias or
+  a mask other than causal-only (cuDNN takes both as a bias; its gradient needs T and S
+  even: jax's fused_attention_stablehlo.check_is_flash_attention raises on T5's
+  29-token targets on an H100)."""
   if backend != "gpu":
     return f"needs a GPU (backend {backend!r})"
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"needs bfloat16 or float16 compute (model.dtype is {jnp.dtype(dtype).name})"
   if head_dim > 128 or head_dim % 8:
     return f"head dim {head_dim}: needs <= 128 and a multiple of 8"
+  if biased and (q_len % 2 or kv_len % 2):
+    return (f"lengths {q_len} x {kv_len} with a bias or padding mask: its gradient needs"
+            " even lengths")
   return ""
 
 
