@@ -87,6 +87,13 @@ def test_tables_average_per_seed_and_margin():
   assert "| 20.0 (15.0-25.0) | 45.0 (35.0-55.0) | **+25.0** |" in text
   assert "| stsb | spearman | 25.0 (20.0-30.0) | 50.0 (40.0-60.0) | +25.0 |" in text
   assert "58.1 |" in text and "58.9 |" in text
+  # margins: five-task +25 and STS-B Pearson +25: both bars met
+  assert ("five-task average +25.0 (bar +5): **met**; STS-B Pearson +25.0 (bar +20):"
+          " **met**.") in text
+  stsb_close = [dict(r, official={"pearson": 10.0, "spearman": 10.0})
+                if r["task"] == "stsb" and r["arm"] == "pretrained" else r for r in rows]
+  text = glue_tables.glue_markdown(stsb_close, list(glue_tables.FIVE))
+  assert "STS-B Pearson -5.0 (bar +20): **not met**." in text
 
 
 def test_mixture_shares_the_task_text_by_square_root():
