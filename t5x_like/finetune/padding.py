@@ -5,9 +5,9 @@ not max_length (Hugging Face's DataCollatorWithPadding pads the same way).
 The cut length is the next power of two at or above the longest row's length (at least
 8, at most the full length): one compiled step per length, 8, 16, 32, ... up to
 max_length (5 of them for 128). It is computed from the rows of the whole global batch,
-so every host cuts its part to the same length. A row's real positions are the nonzero entries of
-its group's key feature (padding is 0; encoding.py); the cut drops only zeros, so a
-model that masks padding sees the same real tokens with fewer padded keys.
+so every host cuts its part to the same length. A row's real positions are the nonzero
+entries of its group's key feature (padding is 0; encoding.py); the cut drops only
+zeros, so a model that masks padding sees the same real tokens with fewer padded keys.
 """
 
 from __future__ import annotations
