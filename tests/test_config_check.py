@@ -216,6 +216,23 @@ def test_invalid_case_is_about_keys_of_the_schema(what, mutate, key):
     assert name in {f.name for f in dataclasses.fields(ModelConfig)}, (what, name)
 
 
+@pytest.mark.parametrize("where", ["data.length", "train.phases"])
+def test_configured_cudnn_is_checked_at_the_decoder_length(where):
+  """T5's span corruption at 128 tokens has 29-token targets (T5's random_spans_helper),
+  odd, which cuDNN's biased attention cannot take: a config error naming them, not a
+  crash at trace time. At 512 the targets are 114 and cuDNN runs."""
+  config = load("t5_pretrain", "base")
+  config.model.attention_impl = "cudnn"
+  validate(config, 8, vocab_size=32128, platform="gpu")  # 512 -> 114
+  if where == "data.length":
+    config.data.length = 128
+  else:
+    config.train.phases = [dict(until_step=10, length=128),
+                           dict(until_step=config.train.num_steps, length=512)]
+  with pytest.raises(ConfigError, match=r"model.attention_impl='cudnn': lengths 29 x 29"):
+    validate(config, 8, vocab_size=32128, platform="gpu")
+
+
 def test_train_rejects_an_invalid_config_before_building_anything(tmp_path):
   config = load("bert_cpu", "smoke")
   config.train.batch_size = 12  # 8 devices

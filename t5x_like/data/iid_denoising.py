@@ -74,4 +74,5 @@ def _build(store, vocab, *, seed, length, targets_length=None, **options) -> Iid
 
 SPEC = ObjectiveSpec("iid_denoising", IidDenoising, vocab_family="t5",
                      model_family="encoder_decoder", default_length=512, build=_build,
-                     filled=frozenset({"length", "vocab_size", "eos_id"}))
+                     filled=frozenset({"length", "vocab_size", "eos_id"}),
+                     decoder_length=lambda length, targets_length, options: length)

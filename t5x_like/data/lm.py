@@ -182,4 +182,6 @@ PREFIX_LM = ObjectiveSpec("prefix_lm", PrefixLM, vocab_family="gpt", model_famil
 PREFIX_LM_ENCDEC = ObjectiveSpec("prefix_lm_encdec", PrefixLM, vocab_family="t5",
                                  model_family="encoder_decoder", default_length=512,
                                  build=_prefix_lm_encdec, filled=_LM_FILLED,
-                                 needs_targets_length=True)
+                                 needs_targets_length=True,
+                                 decoder_length=lambda length, targets_length, options:
+                                 targets_length)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -90,6 +90,8 @@ class ObjectiveSpec:
   build: (store, vocab, seed=, length=, targets_length=, **options) -> Objective.
   filled: constructor parameters `build` sets from the store, vocabulary and lengths.
   needs_targets_length: config.data.targets_length must be set (> 0).
+  decoder_length: (length, targets_length, options) -> the decoder's length, for an
+  encoder-decoder objective (the attention kernel check needs it before any data).
   """
 
   name: str
@@ -100,6 +102,17 @@ class ObjectiveSpec:
   build: Callable[..., Objective]
   filled: frozenset = frozenset()
   needs_targets_length: bool = False
+  decoder_length: Optional[Callable[[int, int, dict], int]] = None
+
+  def attention_lengths(self, length: int, targets_length: int,
+                        options: dict) -> list[tuple[int, int]]:
+    """(query, key) lengths of the attention calls of a model trained at `length`:
+    self-attention, and with a decoder_length the decoder's self- and cross-attention."""
+    calls = [(length, length)]
+    if self.decoder_length is not None:
+      decoder = self.decoder_length(length, targets_length, options)
+      calls += [(decoder, decoder), (decoder, length)]
+    return calls
 
   def options(self) -> set[str]:
     """Constructor options a config may set in data.options."""

@@ -41,6 +41,17 @@ def span_corruption_lengths(inputs_length: int, noise_density: float = 0.15,
   return n, _lengths(n, noise_density, mean_noise_span_length)[1]
 
 
+def span_targets_length(inputs_length: int, noise_density: float = 0.15,
+                        mean_noise_span_length: float = 3.0) -> int:
+  """The decoder's length at inputs_length: span_corruption_lengths' targets_length, or
+  more where the mask clamps the noise into [1, n - 1] (tiny densities). 128 -> 29."""
+  raw, targets = span_corruption_lengths(inputs_length, noise_density, mean_noise_span_length)
+  if raw < 2:
+    return targets
+  noise, spans = _mask_counts(raw, noise_density, mean_noise_span_length)
+  return max(targets, noise + spans + 1)
+
+
 def _mask_counts(n: int, noise_density: float, mean_noise_span_length: float
                  ) -> tuple[int, int]:
   """(noise tokens, spans) of the mask of an n-token piece (n >= 2).
@@ -151,14 +162,14 @@ class SpanCorruption(Objective):
     self.inputs_length = inputs_length
     self.vocab_size, self.eos_id = vocab_size, eos_id
     self.noise_density, self.mean_noise_span_length = noise_density, mean_noise_span_length
-    self.raw_length, self.targets_length = span_corruption_lengths(
-        inputs_length, noise_density, mean_noise_span_length)
+    self.raw_length, _ = span_corruption_lengths(inputs_length, noise_density,
+                                                 mean_noise_span_length)
     if self.raw_length < 2:
       raise ValueError(f"inputs_length={inputs_length} is too short for span corruption")
     self._noise, self._spans = _mask_counts(self.raw_length, noise_density,
                                             mean_noise_span_length)
-    # the mask clamps noise into [1, n-1]; for tiny densities that can outgrow the formula
-    self.targets_length = max(self.targets_length, self._noise + self._spans + 1)
+    self.targets_length = span_targets_length(inputs_length, noise_density,
+                                              mean_noise_span_length)
     self._streams = StreamCache(store, seed, separator=None)
 
   def num_examples(self, epoch: int) -> int:
@@ -199,6 +210,13 @@ def _build(store, vocab, *, seed, length, targets_length=None, **options) -> Spa
                         eos_id=vocab.eos_id, **options)
 
 
+def _decoder_length(length: int, targets_length: int, options: dict) -> int:
+  del targets_length  # follows from length and config.data.options' noise
+  noise = {k: options[k] for k in ("noise_density", "mean_noise_span_length") if k in options}
+  return span_targets_length(length, **noise)
+
+
 SPEC = ObjectiveSpec("span_corruption", SpanCorruption, vocab_family="t5",
                      model_family="encoder_decoder", default_length=512, build=_build,
-                     filled=frozenset({"inputs_length", "vocab_size", "eos_id"}))
+                     filled=frozenset({"inputs_length", "vocab_size", "eos_id"}),
+                     decoder_length=_decoder_length)

@@ -168,15 +168,31 @@ def check_model(config, vocab_size: Optional[int],
     cfg = model_config_from(config, vocab_size)
   except (ValueError, TypeError) as e:
     raise ConfigError(f"model (preset {m.preset!r} with model.overrides): {e}") from None
-  device_kind = "" if platform else jax.devices()[0].device_kind
-  try:  # a configured fused kernel must run here (auto always can)
-    choose_kernel(cfg.attention_impl, backend=platform or jax.default_backend(),
-                  dtype=cfg.dtype, head_dim=cfg.dim_per_head, q_len=config.data.length,
-                  kv_len=config.data.length, dropout=cfg.attention_dropout_rate > 0,
-                  device_kind=device_kind)
-  except ValueError as e:
-    raise ConfigError(f"model.{e}") from None
+  _check_kernel(config, cfg, platform)
   return cfg
+
+
+def _check_kernel(config, cfg: ModelConfig, platform: Optional[str]) -> None:
+  """A configured fused kernel runs every attention call of every phase (auto always can):
+  lengths from ObjectiveSpec.attention_lengths, biased (every batch has a padding mask)."""
+  try:
+    runs = [c.data for _, c in phase_configs(config)]
+  except (TypeError, ValueError):  # bad phases: ExperimentConfigError
+    runs = [config.data]
+  for d in runs:
+    try:
+      calls = OBJECTIVES[d.objective].attention_lengths(int(d.length), d.targets_length,
+                                                        dict(d.options))
+    except (KeyError, TypeError, ValueError):
+      continue
+    for q_len, kv_len in calls:
+      try:
+        choose_kernel(cfg.attention_impl, backend=platform or jax.default_backend(),
+                      dtype=cfg.dtype, head_dim=cfg.dim_per_head, q_len=q_len, kv_len=kv_len,
+                      dropout=cfg.attention_dropout_rate > 0, biased=True,
+                      device_kind="" if platform else jax.devices()[0].device_kind)
+      except ValueError as e:
+        raise ConfigError(f"model.{e}") from None
 
 
 # --------------------------------------------------------------------------- data
