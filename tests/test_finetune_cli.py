@@ -55,6 +55,9 @@ def bert_workdir(tmp_path_factory, task_dir):
 # BERT's own classifier, [CLS] through the pooler (the book config mean-pools instead):
 # the tests of what initialises the pooler ask for it.
 BERT_HEAD = ("--config.task.pooling=cls", "--config.task.pooler=True")
+# Every batch at the full length: one train and one predict program to compile, where
+# the test is not about cutting padding (tests/test_batch_padding.py is).
+ONE_LENGTH = ("--config.task.batch_padding=max_length",)
 
 
 def _finetune(workdir, task_dir, *overrides, variant="bert,smoke"):
@@ -148,7 +151,7 @@ def test_finetune_starts_from_the_pretrained_checkpoint(tmp_path, task_dir,
                                                                      bert_workdir, capsys):
   # Learning rate 0: the saved backbone is the one the run started from.
   frozen = ("--config.train.num_steps=2", "--config.optimizer.learning_rate=0.0",
-            "--config.optimizer.warmup_steps=0")
+            "--config.optimizer.warmup_steps=0", *ONE_LENGTH)
   assert _finetune(str(tmp_path / "pre"), task_dir, *frozen, *BERT_HEAD,
                    f"--config.init.checkpoint={bert_workdir}") == 0
   assert "checkpoint step 6" in capsys.readouterr().out
@@ -195,7 +198,7 @@ def test_layer_decay_scales_each_layer_s_first_step(tmp_path, task_dir, bert_wor
 
 def test_finetune_from_random_init_resumes_to_the_same_numbers(tmp_path, task_dir, capsys):
   args = ("--config.train.num_steps=6", "--config.train.log_every=1",
-          "--config.train.checkpoint_every=3")
+          "--config.train.checkpoint_every=3", *ONE_LENGTH)
   assert _finetune(str(tmp_path / "whole"), task_dir, *args) == 0
   assert "backbone: random initialisation of" in capsys.readouterr().out
   import shutil

@@ -95,9 +95,10 @@ def test_packed_segments_do_not_see_each_other():
       "decoder_input_tokens": np.concatenate([dec_a, dec_b, [0]])[None],
       "decoder_segment_ids": np.array([[1, 1, 1, 2, 2, 2, 2, 0]]),
   }
-  out = np.asarray(model.logits(params, packed))
-  alone_b = np.asarray(model.logits(params, {"encoder_input_tokens": enc_b[None],
-                                             "decoder_input_tokens": dec_b[None]}))
+  logits = jax.jit(model.logits)  # two compiles, not an eager forward's hundreds
+  out = np.asarray(logits(params, packed))
+  alone_b = np.asarray(logits(params, {"encoder_input_tokens": enc_b[None],
+                                       "decoder_input_tokens": dec_b[None]}))
   # T5's relative bias depends only on distances, so segment b gives the same logits.
   np.testing.assert_allclose(out[0, 3:7], alone_b[0], atol=1e-5)
 
