@@ -36,6 +36,10 @@ def test_cut_lengths_by_hand():
   gpt = {"decoder_segment_ids": _padded([20], 64, start=1) > 0,
          "decoder_input_tokens": np.zeros((1, 64))}
   assert padding.cut_lengths(gpt) == {"decoder_segment_ids": 32, "decoder_input_tokens": 32}
+  t5_targets = {"decoder_loss_weights": _padded([3, 9], 32) > 0,
+                "decoder_target_tokens": np.ones((2, 32)), "decoder_input_tokens": np.ones((2, 32))}
+  assert padding.cut_lengths(t5_targets) == {
+      "decoder_loss_weights": 16, "decoder_target_tokens": 16, "decoder_input_tokens": 16}
   cut = padding.cut({**rows, "labels": np.array([0, 1])}, {"encoder_input_tokens": 16})
   assert cut["encoder_input_tokens"].shape == (2, 16) and cut["encoder_type_ids"].shape == (2, 32)
 
@@ -111,3 +115,30 @@ def test_a_cut_batch_gives_the_same_outputs(kind):
   assert set(lengths.values()) == {16}
   cut = logits(params, {k: jnp.asarray(v) for k, v in padding.cut(batch, lengths).items()})
   np.testing.assert_allclose(np.asarray(cut), np.asarray(full), rtol=1e-5, atol=1e-5)
+
+
+def test_a_cut_text_to_text_batch_gives_the_same_loss():
+  """T5 text to text: the label strings' targets cut from 16 to 8 positions (and the
+  encoder inputs from 64 to 16) give the loss and token metrics of the full batch."""
+  targets = np.array([[5, 6, 1] + [0] * 13, [7, 1] + [0] * 14])  # two labels + eos, [2, 16]
+  model = FinetuneModel(t5("1.1", 32, 64, 1, 2, vocab_size=60), "classification",
+                        label_targets=targets)
+  labels = np.array([0, 1, 1])
+  batch = {"encoder_input_tokens": _padded([5, 9, 3], 64, start=2),
+           "decoder_target_tokens": targets[labels],
+           "decoder_input_tokens": np.concatenate([np.zeros((3, 1), int), targets[labels, :-1]], 1),
+           "decoder_loss_weights": (targets[labels] > 0).astype(np.int32)}
+  lengths = padding.cut_lengths(batch)
+  assert lengths == {"encoder_input_tokens": 16, "encoder_type_ids": 16,
+                     "decoder_input_tokens": 8, "decoder_target_tokens": 8,
+                     "decoder_loss_weights": 8}
+  params = jax.jit(model.init)(jax.random.key(0))
+  loss = jax.jit(lambda p, b: model.loss_fn(p, b, None))
+  as_jax = lambda b: {k: jnp.asarray(v, jnp.int32) for k, v in b.items()}
+  (full, full_m), (cut, cut_m) = loss(params, as_jax(batch)), loss(
+      params, as_jax(padding.cut(batch, lengths)))
+  assert float(full) > 1.0  # an untrained model's loss, not a trivial 0
+  np.testing.assert_allclose(float(cut), float(full), rtol=1e-6)
+  for name in full_m:
+    np.testing.assert_allclose(np.asarray(cut_m[name]), np.asarray(full_m[name]), rtol=1e-6,
+                               err_msg=name)

@@ -1,6 +1,7 @@
 """Batches cut to their longest row: the padding every row of a batch leaves unused is
 dropped from its sequence features, so a batch of 12-token sentences costs 16 positions,
-not max_length (Hugging Face's DataCollatorWithPadding pads the same way).
+not max_length, and T5's 3-token labels cost 8 target positions, not target_length
+(Hugging Face's DataCollatorWithPadding pads the same way).
 
 The cut length is the next power of two at or above the longest row's length (at least
 8, at most the full length): one compiled step per length, 8, 16, 32, ... up to
@@ -19,9 +20,12 @@ import numpy as np
 Features = dict[str, np.ndarray]
 
 # (key feature whose nonzero entries are a row's real positions, the features cut with
-# it): BERT's encoder inputs, T5's encoder inputs (its decoder targets are kept), and
-# a decoder-only backbone's inputs (GPT, where the token id 0 is a real token).
+# it): BERT's and T5's encoder inputs, T5's text-to-text targets (label string + eos; its
+# causal decoder never looks past them, so the cut changes no real position's output),
+# and a decoder-only backbone's inputs (GPT, where the token id 0 is a real token).
 CUT_GROUPS = (("encoder_input_tokens", ("encoder_input_tokens", "encoder_type_ids")),
+              ("decoder_loss_weights", ("decoder_input_tokens", "decoder_target_tokens",
+                                        "decoder_loss_weights")),
               ("decoder_segment_ids", ("decoder_input_tokens", "decoder_segment_ids")))
 MIN_LENGTH = 8
 
