@@ -112,6 +112,29 @@ def test_tables_replace_only_their_part_of_the_page(tmp_path):
   assert page.read_text() == f"# GLUE\nprose\n{BEGIN}\nnew\n{END}\nmore prose\n"
 
 
+def test_a_call_for_one_family_keeps_the_other_family_s_table(tmp_path):
+  from t5x_like.studies.glue_experiment import BEGIN, END, write_between_markers
+  rows = lambda family, value: [dict(family=family, arm="random", task="cola", seed=0,
+                                     official={"mcc": value})]
+  page = tmp_path / "glue.md"
+  page.write_text("# GLUE\n")
+  write_between_markers(str(page), glue_tables.glue_markdown(rows("bert", 11.0), ["cola"]))
+  write_between_markers(str(page), glue_tables.glue_markdown(rows("t5", 22.0), ["cola"]))
+  text = page.read_text()
+  assert text.startswith(f"# GLUE\n{BEGIN}\n") and text.endswith(f"{END}")
+  # BERT's table, then T5's, then the published rows once, in that order
+  assert [text.index(s) for s in ("### BERT", "| cola | mcc | 11.0 |", "### T5",
+                                  "| cola | mcc | 22.0 |", "For scale")] == sorted(
+      text.index(s) for s in ("### BERT", "| cola | mcc | 11.0 |", "### T5",
+                              "| cola | mcc | 22.0 |", "For scale"))
+  assert text.count("For scale") == 1 and text.count("BERT-Tiny (L2") == 1
+  write_between_markers(str(page), glue_tables.glue_markdown(rows("bert", 33.0), ["cola"]))
+  text = page.read_text()
+  assert "| cola | mcc | 11.0 |" not in text and "| cola | mcc | 33.0 |" in text
+  assert text.index("### BERT") < text.index("### T5") < text.index("For scale")
+  assert "| cola | mcc | 22.0 |" in text
+
+
 @pytest.mark.long
 def test_study_smoke_end_to_end(tmp_path):
   """The driver on small GLUE files: pretraining, both arms at two seeds (the second at

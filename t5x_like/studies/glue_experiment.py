@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from typing import Optional
@@ -40,7 +41,7 @@ import numpy as np
 from absl import flags
 
 from t5x_like.command_flags import FlagError, parse_flags_and_args
-from t5x_like.studies.glue_tables import glue_markdown
+from t5x_like.studies.glue_tables import glue_markdown, section_marker
 from t5x_like.studies.text_task_experiment import CONFIGS, exit_with, log, t5x_like
 
 PROG = "python -m t5x_like.studies.glue_experiment"
@@ -274,12 +275,25 @@ def main(argv: Optional[list[str]] = None) -> int:
 BEGIN, END = "<!-- glue_experiment tables: begin -->", "<!-- glue_experiment tables: end -->"
 
 
+SECTION = re.compile(r"^<!-- glue_experiment section: (\S+) -->\n", re.M)  # section_marker
+
+
 def write_between_markers(path: str, text: str) -> None:
   """Puts text between BEGIN and END in the file at path (the rest of the page is
-  prose, kept), or writes the markers and text as a new file."""
+  prose, kept), or writes the markers and text as a new file. Where text is made of
+  sections (glue_tables.section_marker), only those replace the page's: a call for one
+  family keeps the other family's table."""
   old = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
   head, sep, rest = old.partition(BEGIN)
-  tail = rest.partition(END)[2] if sep else ""
+  inner, _, tail = rest.partition(END) if sep else ("", "", "")
+  new_parts = SECTION.split(text)
+  if len(new_parts) > 1:
+    old_parts = SECTION.split(inner)
+    sections = dict(zip(old_parts[1::2], old_parts[2::2]))
+    sections.update(zip(new_parts[1::2], new_parts[2::2]))
+    order = sorted(sections, key=lambda name: (name == "published", name))
+    text = new_parts[0] + "".join(f"{section_marker(name)}\n{sections[name]}"
+                                  for name in order)
   with open(path + ".tmp", "w", encoding="utf-8") as f:
     f.write(f"{head}{BEGIN}\n{text}{END}{tail}")
   os.replace(path + ".tmp", path)

@@ -1,6 +1,6 @@
 """The GLUE study's tables (studies/glue_experiment.py): markdown from its result rows.
 
-  text = glue_markdown(rows, tasks)
+  text = glue_markdown(rows, tasks)   # a section per family, then the published rows
 
 rows: {"family", "arm" (bag | random | pretrained), "task", "seed", "official": {metric:
 value}} with GLUE's official dev metrics in percent. Cells are the mean (min-max) over
@@ -35,6 +35,12 @@ ARM_NAMES = {"bag": "bag of pieces", "random": "random init", "pretrained": "pre
 # The bars the study is held to (docs/glue.md): pretrained above random initialisation
 # by this many points, on the mean over seeds.
 BARS = {"five-task average": 5.0, "STS-B Pearson": 20.0}
+
+
+def section_marker(name: str) -> str:
+  """The line that opens a family's part of the tables (or the published rows'): a call
+  for one family replaces only its part of the page (glue_experiment.write_between_markers)."""
+  return f"<!-- glue_experiment section: {name} -->"
 
 
 def five_task_average(official: dict[str, dict[str, float]]) -> float:
@@ -74,6 +80,7 @@ def glue_markdown(rows: list[dict], tasks: list[str]) -> str:
     arms = [a for a in ARM_NAMES if any(r["family"] == family and r["arm"] == a
                                         for r in rows)]
     margin = "pretrained" in arms and "random" in arms
+    out.append(section_marker(family))
     out.append(f"\n### {family.upper()}: GLUE dev, official metrics, mean (range) over"
                " seeds\n")
     out.append("| task | metric | " + " | ".join(ARM_NAMES[a] for a in arms)
@@ -102,6 +109,7 @@ def glue_markdown(rows: list[dict], tasks: list[str]) -> str:
                                    by[family, "random", "stsb", "pearson"])}
       out.append("\n" + _bars({k: np.mean(p) - np.mean(q) for k, (p, q) in margins.items()
                                if p and q}))
+  out.append("\n" + section_marker("published"))
   out.append("\nFor scale (GLUE test, not dev; pretrained for 1M steps of 256 x 128 tokens"
              " on BooksCorpus and English Wikipedia):\n")
   out.append("| model | " + " | ".join(FIVE) + " | five-task average |")
