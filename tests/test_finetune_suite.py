@@ -197,6 +197,59 @@ def test_dev_prediction_rows_carry_the_datasets_idx():
   assert "idx" not in prediction_rows(model, predicted, dev, {})[0]
 
 
+# ------------------------------------------------------------- signals between runs
+@pytest.mark.parametrize("when", ["after_the_last_step", "between_runs"])
+def test_a_signal_stops_the_suite_before_its_next_run(when, rte_only, tmp_path, monkeypatch,
+                                                      capsys):
+  """SIGTERM after a run's last step (its run returns 'finished' with stopped_by) or
+  between two runs (the suite's own handler): the next run does not start; exit 143.
+  The runs are stand-ins that return what finetune() returns; the slow twin below
+  signals a real run."""
+  import signal
+  from t5x_like.finetune import loop
+  from t5x_like.train.preemption import RunResult
+  started = []
+
+  def finetune(config, workdir):
+    started.append(os.path.relpath(workdir, tmp_path))
+    if when == "between_runs":
+      signal.raise_signal(signal.SIGTERM)  # no run's handler here: the suite's takes it
+      return RunResult({}, 4, "finished")
+    return RunResult({}, 4, "finished", "SIGTERM")
+
+  monkeypatch.setattr(loop, "finetune", finetune)
+  handler = signal.getsignal(signal.SIGTERM)
+  code = cli.main(["finetune-suite", SMOKE, f"--workdir={tmp_path / 'suite'}", "--tasks=rte",
+                   "--lr_grid=3e-3,1e-4", f"--config.benchmark.data_dir={rte_only}"])
+  out = capsys.readouterr().out
+  assert code == 143
+  assert started == [os.path.join("suite", "lr_grid", "rte", "3e-3")]  # not 1e-4 nor rte
+  assert ("stopped by SIGTERM after rte lr 3e-3 finished: its outputs are written"
+          if when == "after_the_last_step" else
+          "stopped by SIGTERM before rte lr 1e-4: nothing of it was started") in out, out
+  assert "exit 143: rerun the same command to resume" in out
+  assert signal.getsignal(signal.SIGTERM) == handler  # the suite's own handler is gone
+
+
+@pytest.mark.slow  # one real fine-tuning of 4 steps, then the rerun's two: ~40 s
+def test_ctrl_c_in_a_runs_last_step_stops_the_suite_and_the_rerun_goes_on(rte_only, tmp_path,
+                                                                         monkeypatch):
+  """A Ctrl-C right after the last step of the first grid point (failpoints.py sigint@4):
+  the run writes its outputs, the suite stops with 130 before the next grid point; the
+  rerun skips the finished point and runs the rest."""
+  from t5x_like import failpoints
+  argv = ["finetune-suite", SMOKE, f"--workdir={tmp_path / 'suite'}", "--tasks=rte",
+          "--lr_grid=3e-3,1e-4", f"--config.benchmark.data_dir={rte_only}"]
+  monkeypatch.setenv(failpoints.FAILPOINT_ENV, "sigint@4")
+  assert cli.main(argv) == 130
+  grid = tmp_path / "suite" / "lr_grid" / "rte"
+  assert (grid / "3e-3" / "final_metrics.json").exists() and not (grid / "1e-4").exists()
+  monkeypatch.delenv(failpoints.FAILPOINT_ENV)
+  assert cli.main(argv) == 0
+  assert (grid / "1e-4" / "final_metrics.json").exists()
+  assert (tmp_path / "suite" / "suite.json").exists()
+
+
 # ------------------------------------------------------------- the grid, end to end
 @pytest.mark.slow  # three fine-tunings of 4 steps (two grid points, one final): ~60 s
 def test_lr_grid_picks_on_held_out_train_then_runs_the_task(rte_only, tmp_path):

@@ -41,7 +41,8 @@ from t5x_like.command_flags import FlagError, parse_flags
 from t5x_like.commands import finetune as finetune_command
 from t5x_like.distributed import initialize_distributed
 from t5x_like.errors import UserError
-from t5x_like.train.preemption import exit_at_once_on_interrupt
+from t5x_like.train.preemption import (Preemption, exit_at_once_on_interrupt,
+                                        stopped_exit_code)
 
 SUITE_NAMES = {"glue": "GLUE", "super_glue": "SuperGLUE", "squad": "SQuAD"}
 # Tasks of each leaderboard's score (Wang et al. 2019a, 2019b; diagnostics excluded):
@@ -192,46 +193,63 @@ def _suite(fv: flags.FlagValues, argv: list[str]) -> int:
   from t5x_like.finetune.loop import finetune
 
   def run(task: str, lr: Optional[str] = None, grid_point: bool = False) -> Optional[int]:
-    """Runs one fine-tuning unless it finished; its exit code when it was stopped."""
+    """Runs one fine-tuning unless it finished; its exit code when it was stopped. A
+    signal that came after a run's last step (it finished its outputs) or between two
+    runs stops the suite before its next run."""
     workdir = suite.workdir(task, lr if grid_point else None)
     what = f"{task} lr {lr}" if grid_point else task
     if done(workdir):
       return None
+    if between.requested:
+      return _stopped(between.requested, f"before {what}", "nothing of it was started")
     print(f"=== {suite_name}/{what}: {workdir}", flush=True)
     final = finetune(suite.config_of(suite.argv_of(task, lr, grid_point)), workdir)  # takes the workdir's lock
-    if final.status != "stopped":
-      return None
-    print(f"stopped by {final.stopped_by} in {what} at step {final.step}: checkpoint"
-          f" saved; exit {final.exit_code}: rerun the same command to resume", flush=True)
-    return final.exit_code
+    if final.status == "stopped":
+      return _stopped(final.stopped_by, f"in {what} at step {final.step}", "checkpoint saved")
+    if final.stopped_by:
+      return _stopped(final.stopped_by, f"after {what} finished", "its outputs are written")
+    return None
 
-  rows = {}
-  for task in tasks:
-    lr = None
-    if suite.grid and not done(suite.workdir(task)):
-      for rate in suite.grid:
-        stopped = run(task, rate, grid_point=True)
-        if stopped is not None:
-          return stopped
-      scores = {rate: _read(suite.workdir(task, rate))["score"] for rate in suite.grid}
-      lr = pick_learning_rate(scores)
-      if jax.process_index() == 0:
-        fs.write_bytes(suite.pick_path(task), json.dumps(
-            {"learning_rate": lr, "scores": scores, "holdout_fraction": fv.lr_holdout,
-             "holdout_seed": fv.config.seed}, indent=1).encode())
-    stopped = run(task, lr)
-    if stopped is not None:
-      return stopped
-    result = _read(suite.workdir(task))
-    rows[task] = {"official": result["official"], "score": result["score"]}
-    if fs.exists(suite.pick_path(task)):
-      rows[task]["lr_grid"] = json.loads(fs.read_bytes(suite.pick_path(task)))
-  summary = summarize(suite_name, rows)
-  print(table(summary), flush=True)
-  if jax.process_index() == 0:
-    fs.write_bytes(os.path.join(fv.workdir, "suite.json"),
-                   json.dumps(summary, indent=1).encode())
-  return 0
+  # Signals between two runs (each run installs its own handlers while it runs).
+  between = Preemption(then="stopping before the suite's next run")
+  try:
+    rows = {}
+    for task in tasks:
+      lr = None
+      if suite.grid and not done(suite.workdir(task)):
+        for rate in suite.grid:
+          stopped = run(task, rate, grid_point=True)
+          if stopped is not None:
+            return stopped
+        scores = {rate: _read(suite.workdir(task, rate))["score"] for rate in suite.grid}
+        lr = pick_learning_rate(scores)
+        if jax.process_index() == 0:
+          fs.write_bytes(suite.pick_path(task), json.dumps(
+              {"learning_rate": lr, "scores": scores, "holdout_fraction": fv.lr_holdout,
+               "holdout_seed": fv.config.seed}, indent=1).encode())
+      stopped = run(task, lr)
+      if stopped is not None:
+        return stopped
+      result = _read(suite.workdir(task))
+      rows[task] = {"official": result["official"], "score": result["score"]}
+      if fs.exists(suite.pick_path(task)):
+        rows[task]["lr_grid"] = json.loads(fs.read_bytes(suite.pick_path(task)))
+    summary = summarize(suite_name, rows)
+    print(table(summary), flush=True)
+    if jax.process_index() == 0:
+      fs.write_bytes(os.path.join(fv.workdir, "suite.json"),
+                     json.dumps(summary, indent=1).encode())
+    return 0
+  finally:
+    between.restore()
+
+
+def _stopped(signal_name: str, where: str, state: str) -> int:
+  """Says the suite stopped and how to go on; its exit status (128 + the signal)."""
+  code = stopped_exit_code(signal_name)
+  print(f"stopped by {signal_name} {where}: {state}; exit {code}: rerun the same command to"
+        " resume", flush=True)
+  return code
 
 
 def _read(workdir: str) -> dict:

@@ -249,4 +249,5 @@ def finetune(config: ml_collections.ConfigDict, workdir, *,
                        "".join(json.dumps(row) + "\n" for row in test_rows).encode())
       fs.write_bytes(os.path.join(run.workdir, "final_metrics.json"),
                      json.dumps(final, indent=1).encode())
-    return RunResult(final, step, "already_finished" if start.finished else "finished")
+    return RunResult(final, step, "already_finished" if start.finished else "finished",
+                     run.preemption.requested if run.preemption else None)

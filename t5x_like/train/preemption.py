@@ -25,8 +25,9 @@ class Preemption:
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-  def __init__(self):
+  def __init__(self, then: str = "saving a checkpoint after this step, then stopping"):
     self.requested: Optional[str] = None  # the signal's name once one came
+    self._then = then  # what the process does about it, said when it comes
     self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
     self._previous_unraisablehook = sys.unraisablehook
     sys.unraisablehook = self._unraisable
@@ -36,7 +37,7 @@ class Preemption:
     if self.requested == "SIGINT" and signum == signal.SIGINT:
       raise KeyboardInterrupt
     self.requested = signal.Signals(signum).name
-    print(f"\n{self.requested}: saving a checkpoint after this step, then stopping"
+    print(f"\n{self.requested}: {self._then}"
           + (" (Ctrl-C again to stop without saving)" if signum == signal.SIGINT else ""),
           file=sys.stderr, flush=True)
 
@@ -98,7 +99,9 @@ class RunResult(dict):
   step: the step reached. status: 'finished' (trained to the end now),
   'already_finished' (the workdir's run had ended; the metrics are its last eval row,
   or in fine-tuning the dev metrics of its final checkpoint) or 'stopped' (by the
-  signal `stopped_by`; a checkpoint of `step` is saved and a rerun resumes) or
+  signal `stopped_by`; a checkpoint of `step` is saved and a rerun resumes; a
+  fine-tuning 'finished' has `stopped_by` set when the signal came after its last
+  step, while it wrote its outputs: finetune-suite stops before its next run) or
   'exhausted' (data.mixture_exhausted="stop": the mixture source `exhausted_source`
   would run past its first epoch in the next step; a checkpoint of `step` is saved).
   exit_code: the command's exit status for it.
