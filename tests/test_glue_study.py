@@ -169,6 +169,44 @@ def test_study_smoke_end_to_end(tmp_path):
   again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert again.returncode == 0 and "pretrain bert" not in again.stdout
   assert " in " not in "".join(l for l in again.stdout.splitlines() if "seed" in l)
+  # --record: the results outside the workdir; a new workdir fine-tunes nothing again
+  record = str(tmp_path / "runs.jsonl")
+  assert subprocess.run(command + ["--record", record], cwd=ROOT, capture_output=True,
+                        text=True, timeout=600).returncode == 0
+  command[command.index(str(work))] = str(tmp_path / "elsewhere")
+  moved = subprocess.run(command + ["--record", record], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+  assert moved.returncode == 0, moved.stdout[-3000:] + moved.stderr[-3000:]
+  assert " in " not in "".join(l for l in moved.stdout.splitlines() if "seed" in l)
+  assert open(tmp_path / "elsewhere" / "tables.md").read() == open(work / "tables.md").read()
+
+
+def test_the_record_keeps_finished_results_outside_the_workdir(tmp_path):
+  from t5x_like.studies.glue_experiment import restore_record, save_record
+  work, record = tmp_path / "study", str(tmp_path / "docs" / "runs.jsonl")
+  results = {"runs/t5/random/s0/cola/final_metrics.json": {"score": 1.0},
+             "runs/t5/random/s0/lr_grid/cola/1e-3/final_metrics.json": {"score": 2.0},
+             "baseline/t5/cola.json": {"official": {"mcc": 3.0}}}
+  for path, result in results.items():
+    (work / path).parent.mkdir(parents=True, exist_ok=True)
+    (work / path).write_text(json.dumps(result))
+  (work / "runs/t5/random/s0/cola/metrics.jsonl").write_text("{}\n")  # not a result
+  assert save_record(record, str(work)) == 3
+  assert [json.loads(line)["path"] for line in open(record)] == sorted(results)
+  fresh = tmp_path / "fresh"  # another machine's empty workdir
+  assert restore_record(record, str(fresh)) == 3
+  for path, result in results.items():
+    assert json.loads((fresh / path).read_text()) == result
+  assert not (fresh / "runs/t5/random/s0/cola/metrics.jsonl").exists()
+  # what a workdir holds is not overwritten; rows the workdir lacks stay in the record
+  (fresh / "baseline/t5/cola.json").write_text(json.dumps({"official": {"mcc": 9.0}}))
+  assert restore_record(record, str(fresh)) == 0
+  assert json.loads((fresh / "baseline/t5/cola.json").read_text())["official"]["mcc"] == 9.0
+  other = tmp_path / "other"
+  (other / "runs/t5/pretrained/s0/rte").mkdir(parents=True)
+  (other / "runs/t5/pretrained/s0/rte/final_metrics.json").write_text('{"score": 4.0}')
+  assert save_record(record, str(other)) == 4
+  assert restore_record(str(tmp_path / "absent.jsonl"), str(fresh)) == 0
 
 
 def test_study_refuses_bad_flags_and_missing_data(tmp_path):

@@ -265,3 +265,27 @@ def test_a_second_ctrl_c_dropped_inside_a_del_is_delivered_again():
   finally:
     preemption.restore()
   assert signal.getsignal(signal.SIGINT) == before
+
+
+def test_handlers_installed_over_others_keep_the_stop_they_took():
+  """finetune-suite's handlers take a SIGTERM that comes while a run sets up; the run's
+  own handlers, installed over them, must see it (else the run trains to its end)."""
+  from t5x_like.train.preemption import Preemption
+  before = signal.getsignal(signal.SIGTERM)
+  suite = Preemption(then="stopping before the suite's next run")
+  try:
+    quiet = Preemption()
+    quiet.restore()
+    assert quiet.requested is None  # nothing came yet
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.05)
+    assert suite.requested == "SIGTERM"
+    run = Preemption()
+    try:
+      assert run.requested == "SIGTERM"
+    finally:
+      run.restore()
+    assert signal.getsignal(signal.SIGTERM) == suite._handle
+  finally:
+    suite.restore()
+  assert signal.getsignal(signal.SIGTERM) == before

@@ -25,7 +25,11 @@ an interrupted one:
             metrics, mean (range) over the seeds, per family and arm, the five-task
             average (CoLA, SST-2, MRPC, STS-B, RTE; MRPC and STS-B as the mean of their
             two metrics, as Turc et al. 2019 report them) and their BERT-Tiny and
-            BERT-Mini rows (GLUE test) for scale
+            BERT-Mini rows (GLUE test) for scale (--out replaces the sections of the
+            families this call ran)
+
+--record FILE keeps the finished results outside the workdir (restore_record,
+save_record): a call in a new workdir runs only what the record lacks.
 """
 
 from __future__ import annotations
@@ -152,6 +156,51 @@ def suite_runs(family: str, arm: str, seed: int, tasks: list[str], checkpoint: s
   return out
 
 
+# --------------------------------------------------------------------------- the record
+RECORDED = ("runs/**/final_metrics.json", "baseline/**/*.json")
+
+
+def restore_record(record: str, workdir: str) -> int:
+  """Writes each result of the record (JSONL of {"path": under WORKDIR, "result"}) that
+  the workdir lacks, so those runs count as finished; returns how many it wrote."""
+  if not os.path.exists(record):
+    return 0
+  written = 0
+  with open(record, encoding="utf-8") as f:
+    for line in f:
+      row = json.loads(line)
+      path = os.path.join(workdir, row["path"])
+      if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"  # two study processes may restore at once
+        with open(tmp, "w") as out:
+          json.dump(row["result"], out, indent=1)
+        os.replace(tmp, path)
+        written += 1
+  return written
+
+
+def save_record(record: str, workdir: str) -> int:
+  """The record rewritten with every finished result under the workdir (fine-tunings'
+  final_metrics.json, the bag of pieces'), beside the rows it held; returns the rows."""
+  import glob
+  rows = {}
+  if os.path.exists(record):
+    with open(record, encoding="utf-8") as f:
+      rows = {row["path"]: row for row in map(json.loads, f)}
+  for pattern in RECORDED:
+    for path in glob.glob(os.path.join(workdir, pattern), recursive=True):
+      with open(path) as f:
+        rel = os.path.relpath(path, workdir)
+        rows[rel] = {"path": rel, "result": json.load(f)}
+  os.makedirs(os.path.dirname(os.path.abspath(record)), exist_ok=True)
+  tmp = f"{record}.{os.getpid()}.tmp"  # two study processes (one per arm) may save at once
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(rows[k], sort_keys=True) + "\n" for k in sorted(rows))
+  os.replace(tmp, record)
+  return len(rows)
+
+
 def baseline(family: str, task: str, data_dir: str, workdir: str, smoke: bool) -> dict:
   """The bag of pieces' official dev metrics on one task (cached as JSON)."""
   out = os.path.join(workdir, "baseline", family, f"{task}.json")
@@ -216,6 +265,9 @@ def _flags(argv: list[str]) -> flags.FlagValues:
   flags.DEFINE_float("task_text_rate", 0.7, "the task text's share of the pretraining"
                      " mixture", flag_values=fv)
   flags.DEFINE_integer("pretrain_steps", 0, "0 = the :glue config's", flag_values=fv)
+  flags.DEFINE_string("record", "", "a JSONL file of finished results kept outside the"
+                      " workdir (docs/glue_runs.jsonl): read first, so a run it holds is"
+                      " not run again, and rewritten after every suite", flag_values=fv)
   flags.DEFINE_bool("smoke", False, "tiny configs and steps (tests)", flag_values=fv)
   return fv
 
@@ -240,6 +292,26 @@ def main(argv: Optional[list[str]] = None) -> int:
   from t5x_like.benchmarks.sources import check_benchmark
   for task in a.tasks:  # every task's data before anything runs
     check_benchmark(_benchmark_config(benchmark(f"glue/{task}").tfds_name, data_dir))
+  if a.record:
+    log(f"{a.record}: {restore_record(a.record, workdir)} finished results restored")
+  try:
+    rows = _stages(a, seeds, workdir, data_dir)
+  finally:  # what finished is kept, also when a suite stopped or failed
+    if a.record:
+      log(f"{a.record}: {save_record(a.record, workdir)} results")
+  with open(os.path.join(workdir, "results.jsonl"), "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+  text = glue_markdown(rows, list(a.tasks))
+  with open(os.path.join(workdir, "tables.md"), "w") as f:
+    f.write(text)
+  if a.out:
+    write_between_markers(a.out, text)
+  print(text)
+  return 0
+
+
+def _stages(a, seeds: list[int], workdir: str, data_dir: str) -> list[dict]:
+  """Every stage (module docstring) of a parsed call; its result rows."""
   rows = []
   mixture = pretraining_mixture(a.books, write_task_text(list(a.tasks), data_dir, workdir),
                                 a.task_text_rate)
@@ -255,21 +327,15 @@ def main(argv: Optional[list[str]] = None) -> int:
       for seed in seeds:
         runs = suite_runs(family, arm, seed, list(a.tasks), checkpoint, data_dir,
                           grid if not picks else [], picks, workdir, a.smoke)
+        if a.record:
+          save_record(a.record, workdir)
         for task, m in runs.items():
           picks.setdefault(task, m.get("lr_grid", {}).get("learning_rate", ""))
           rows.append(dict(family=family, arm=arm, task=task, seed=seed,
                            lr=picks[task], official=m["official"], step=m.get("step"),
                            seconds=m.get("seconds"),
                            submissions=m.get("submissions", [])))
-  with open(os.path.join(workdir, "results.jsonl"), "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in rows)
-  text = glue_markdown(rows, list(a.tasks))
-  with open(os.path.join(workdir, "tables.md"), "w") as f:
-    f.write(text)
-  if a.out:
-    write_between_markers(a.out, text)
-  print(text)
-  return 0
+  return rows
 
 
 BEGIN, END = "<!-- glue_experiment tables: begin -->", "<!-- glue_experiment tables: end -->"

@@ -64,7 +64,12 @@ def t5x_like(*args: str, log_file: Optional[str] = None) -> None:
   if log_file:
     os.makedirs(os.path.dirname(log_file), exist_ok=True)
   with open(log_file or os.devnull, "w") as out:
-    rc = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT)
+    child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+      rc = child.wait()
+    except KeyboardInterrupt:  # Ctrl-C reached the child too: let it save and stop
+      child.wait()
+      raise
   if rc:
     raise RuntimeError(f"exit {rc}: {' '.join(command)} (log: {log_file})")
 
