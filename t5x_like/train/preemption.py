@@ -27,12 +27,13 @@ class Preemption:
 
   def __init__(self, then: str = "saving a checkpoint after this step, then stopping"):
     self._then = then  # what the process does about it, said when it comes
+    self.requested: Optional[str] = None  # the signal's name once one came
     self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-    # the signal's name once one came; a request the handlers this one replaces had
-    # taken (finetune-suite's, while a run set up) is this run's too: it stops at once
+    # A request the handlers this one replaces had taken (finetune-suite's, while a run
+    # set up) is this run's too: it stops after its first step.
     outer = getattr(self._previous[signal.SIGTERM], "__self__", None)
-    self.requested: Optional[str] = (outer.requested if isinstance(outer, Preemption)
-                                     else None)
+    if isinstance(outer, Preemption) and not self.requested:
+      self.requested = outer.requested
     self._previous_unraisablehook = sys.unraisablehook
     sys.unraisablehook = self._unraisable
 
