@@ -357,3 +357,26 @@ def test_text_task_config_defaults_the_tables_chose():
                    "coherence": ("cls", True)}
   t5 = load_config_file(os.path.join(ROOT, "configs", "text_tasks.py:coherence,family=t5"))
   assert (t5.task.text_to_text, t5.task.pooling) == (True, "mean")
+
+
+def test_a_stopped_child_ends_the_study_in_one_line_with_its_status(monkeypatch, capsys):
+  """A suite stopped by SIGTERM (exit 143, its checkpoint saved): the study driver says
+  so in one line and exits 143, no traceback; another failure stays an error."""
+  from t5x_like.studies import text_task_experiment as experiment
+
+  class Child:  # what subprocess.Popen gives; the child's status is the point
+    def __init__(self, command, **unused):
+      self.status = 143 if "finetune-suite" in command else 1
+
+    def wait(self):
+      return self.status
+
+  monkeypatch.setattr(experiment.subprocess, "Popen", Child)
+  with pytest.raises(SystemExit) as exit_info:
+    experiment.exit_with(lambda: experiment.t5x_like("finetune-suite", "--tasks=rte"), "study")
+  assert exit_info.value.code == 143
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "Traceback" not in err
+  assert err.startswith("study: `t5x-like finetune-suite` was stopped (exit 143")
+  with pytest.raises(RuntimeError, match="exit 1: "):
+    experiment.t5x_like("train")

@@ -58,8 +58,17 @@ def log(message: str) -> None:
   print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
+class ChildStopped(RuntimeError):
+  """A `t5x-like` child stopped by SIGTERM or Ctrl-C after saving (exit 143 or 130)."""
+
+  def __init__(self, rc: int, message: str):
+    super().__init__(message)
+    self.rc = rc
+
+
 def t5x_like(*args: str, log_file: Optional[str] = None) -> None:
-  """Runs `t5x-like ARGS` (this interpreter), its output to log_file; raises on failure."""
+  """Runs `t5x-like ARGS` (this interpreter), its output to log_file; raises on failure
+  (ChildStopped when the child was stopped and saved: rerun to resume)."""
   command = [sys.executable, "-m", "t5x_like.cli", *args]
   if log_file:
     os.makedirs(os.path.dirname(log_file), exist_ok=True)
@@ -70,6 +79,9 @@ def t5x_like(*args: str, log_file: Optional[str] = None) -> None:
     except KeyboardInterrupt:  # Ctrl-C reached the child too: let it save and stop
       child.wait()
       raise
+  if rc in (130, 143):
+    raise ChildStopped(rc, f"`t5x-like {args[0]}` was stopped (exit {rc}; log: {log_file}):"
+                           " rerun the same command to resume")
   if rc:
     raise RuntimeError(f"exit {rc}: {' '.join(command)} (log: {log_file})")
 
@@ -358,11 +370,14 @@ def parse_count(count: str) -> int:
 
 def exit_with(main_fn, prog: str) -> None:
   """A study's __main__: exit with main_fn()'s status; --help exits 0, a UserError is
-  one line and exit 2."""
+  one line and exit 2, a stopped child one line and its status (143, 130)."""
   try:
     sys.exit(main_fn())
   except HelpShown:
     sys.exit(0)
+  except ChildStopped as e:  # one line, the child's status: a launcher reruns it
+    print(f"{prog}: {e}", file=sys.stderr)
+    sys.exit(e.rc)
   except UserError as e:
     print_error(prog, e, debug=False)
     sys.exit(2)
