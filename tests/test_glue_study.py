@@ -123,10 +123,10 @@ def test_a_call_for_one_family_keeps_the_other_family_s_table(tmp_path):
   text = page.read_text()
   assert text.startswith(f"# GLUE\n{BEGIN}\n") and text.endswith(f"{END}")
   # BERT's table, then T5's, then the published rows once, in that order
-  assert [text.index(s) for s in ("### BERT", "| cola | mcc | 11.0 |", "### T5",
-                                  "| cola | mcc | 22.0 |", "For scale")] == sorted(
-      text.index(s) for s in ("### BERT", "| cola | mcc | 11.0 |", "### T5",
-                              "| cola | mcc | 22.0 |", "For scale"))
+  in_order = ("### BERT", "| cola | mcc | 11.0 |", "### T5", "| cola | mcc | 22.0 |",
+              "For scale")
+  positions = [text.index(part) for part in in_order]
+  assert positions == sorted(positions)
   assert text.count("For scale") == 1 and text.count("BERT-Tiny (L2") == 1
   write_between_markers(str(page), glue_tables.glue_markdown(rows("bert", 33.0), ["cola"]))
   text = page.read_text()
