@@ -276,7 +276,7 @@ def test_handlers_installed_over_others_keep_the_stop_they_took():
   try:
     quiet = Preemption()
     quiet.restore()
-    assert quiet.requested is None  # nothing came yet
+    assert quiet.requested is None  # the control: with no stop taken, none is inherited
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.05)
     assert suite.requested == "SIGTERM"
