@@ -16,6 +16,7 @@ every eval_every steps, and on SIGTERM / SIGINT a checkpoint and a clean stop.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Any, Callable, NamedTuple
@@ -84,6 +85,13 @@ class StepLoop:
   checkpoint_extra: dict = dataclasses.field(default_factory=dict)
 
 
+# Steps dispatched ahead of the device (jit dispatch is asynchronous). Unbounded, the
+# host ran up to a log interval ahead, and on fake CPU devices XLA's cap on in-flight
+# computations per device then deadlocked a step's all-reduce: one device's launch
+# waited for a slot while the others sat in the collective (docs/known-issues.md).
+MAX_STEPS_IN_FLIGHT = 2
+
+
 def run_steps(loop: StepLoop, state, step: int, until_step: int):
   """Steps from `step` to `until_step`: (step, state, last eval metrics, stopped by a
   signal). The end is always evaluated and checkpointed.
@@ -104,8 +112,12 @@ def run_steps(loop: StepLoop, state, step: int, until_step: int):
   eval_metrics: dict = {}
   interval_start, interval_steps = time.perf_counter(), 0
   failpoints.kill_soon("first_compile", step + 1)  # the kill matrix (tests/kill_matrix.py)
+  in_flight: collections.deque = collections.deque()  # losses of unfinished steps
   while step < until_step:
     state, metrics = loop.train_step(state, next(loop.batches), loop.rng)
+    in_flight.append(metrics["loss"])
+    if len(in_flight) > MAX_STEPS_IN_FLIGHT:
+      in_flight.popleft().block_until_ready()
     step += 1
     failpoints.kill_at("in_step", step)  # dispatched, not finished
     failpoints.interrupt_at(step)
