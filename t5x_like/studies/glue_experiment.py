@@ -34,6 +34,7 @@ save_record): a call in a new workdir runs only what the record lacks.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -44,6 +45,7 @@ from typing import Optional
 import numpy as np
 from absl import flags
 
+from t5x_like import fs
 from t5x_like.command_flags import FlagError, parse_flags_and_args
 from t5x_like.studies.glue_tables import glue_markdown, section_marker
 from t5x_like.studies.text_task_experiment import CONFIGS, exit_with, log, t5x_like
@@ -172,10 +174,7 @@ def restore_record(record: str, workdir: str) -> int:
       path = os.path.join(workdir, row["path"])
       if not os.path.exists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"  # two study processes may restore at once
-        with open(tmp, "w") as out:
-          json.dump(row["result"], out, indent=1)
-        os.replace(tmp, path)
+        fs.write_bytes(path, json.dumps(row["result"], indent=1).encode())  # atomic
         written += 1
   return written
 
@@ -183,7 +182,6 @@ def restore_record(record: str, workdir: str) -> int:
 def save_record(record: str, workdir: str) -> int:
   """The record rewritten with every finished result under the workdir (fine-tunings'
   final_metrics.json, the bag of pieces'), beside the rows it held; returns the rows."""
-  import glob
   rows = {}
   if os.path.exists(record):
     with open(record, encoding="utf-8") as f:
@@ -194,10 +192,10 @@ def save_record(record: str, workdir: str) -> int:
         rel = os.path.relpath(path, workdir)
         rows[rel] = {"path": rel, "result": json.load(f)}
   os.makedirs(os.path.dirname(os.path.abspath(record)), exist_ok=True)
-  tmp = f"{record}.{os.getpid()}.tmp"  # two study processes (one per arm) may save at once
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.writelines(json.dumps(rows[k], sort_keys=True) + "\n" for k in sorted(rows))
-  os.replace(tmp, record)
+  # atomic, with a per-process temporary: the two study processes (one per arm) may save
+  # at once
+  fs.write_bytes(record, "".join(json.dumps(rows[k], sort_keys=True) + "\n"
+                                 for k in sorted(rows)).encode())
   return len(rows)
 
 
@@ -360,9 +358,7 @@ def write_between_markers(path: str, text: str) -> None:
     order = sorted(sections, key=lambda name: (name == "published", name))
     text = new_parts[0] + "".join(f"{section_marker(name)}\n{sections[name]}"
                                   for name in order)
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    f.write(f"{head}{BEGIN}\n{text}{END}{tail}")
-  os.replace(path + ".tmp", path)
+  fs.write_bytes(path, f"{head}{BEGIN}\n{text}{END}{tail}".encode())
 
 
 def _benchmark_config(name: str, data_dir: str):
