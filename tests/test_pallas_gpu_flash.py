@@ -155,6 +155,34 @@ def test_lowers_to_triton_for_cuda_forward_and_backward():
     assert "mosaic" not in text
 
 
+def _kernel_dots(jaxpr, inside=False):
+  """[(lhs dtype, precision)] of every dot_general inside a pallas_call of `jaxpr`."""
+  dots = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general" and inside:
+      dots.append((eqn.invars[0].aval.dtype, eqn.params["precision"]))
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+        if hasattr(sub, "eqns"):
+          dots += _kernel_dots(sub, inside or eqn.primitive.name == "pallas_call")
+  return dots
+
+
+@pytest.mark.parametrize("dtype, precision", [
+    (jnp.float32, (jax.lax.Precision.HIGHEST,) * 2),  # Triton: IEEE, not its TF32 default
+    (jnp.bfloat16, None)])
+def test_every_kernel_dot_asks_for_ieee_float32_on_float32_inputs(dtype, precision):
+  """The dots of the forward, dk/dv, dq and dbias kernels (2 + 4 + 3 + 2), in the jaxpr
+  the Triton lowering reads: precision DEFAULT (None) would be TF32 for float32."""
+  q = jax.ShapeDtypeStruct((1, 32, 1, 16), dtype)
+  bias = jax.ShapeDtypeStruct((1, 1, 32, 32), jnp.float32)
+  loss = lambda q, k, v, bias: jnp.sum(
+      flash_attention(q, k, v, bias=bias, interpret=True).astype(jnp.float32))
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, q, q, bias).jaxpr
+  assert _kernel_dots(jaxpr) == [(jnp.dtype(dtype), precision)] * 11
+
+
 @pytest.mark.parametrize("backend, dtype, dropout, head_dim, length, want, why", [
     ("gpu", jnp.bfloat16, True, 64, 512, "pallas_gpu", "attention dropout"),
     ("gpu", jnp.bfloat16, False, 64, 512, "cudnn", "cuDNN"),  # no dropout: as before

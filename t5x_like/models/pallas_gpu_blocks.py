@@ -17,6 +17,7 @@ Array = jax.Array
 
 _MASKED = float(jnp.finfo(jnp.float32).min) * 0.7  # finite: a fully masked row has no NaN
 _MIN_BLOCK = 16  # Triton's smallest dot tile
+_NN = (((1,), (0,)), ((), ()))  # a @ b
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
 _F32 = jnp.float32
@@ -54,11 +55,21 @@ def _block(length: int, preferred: int) -> int:
 
 
 # ------------------------------------------------------------------- block math
+def _dot(a, b, dimension_numbers):
+  """a . b with float32 accumulation. Triton multiplies float32 operands in TF32 unless
+  the dot asks for more (jax's Pallas Triton lowering: precision DEFAULT or HIGH -> TF32,
+  HIGHEST -> IEEE), so float32 operands get HIGHEST: IEEE float32 products. Other
+  dtypes (bfloat16, float16) keep the default: their products are exact in float32."""
+  precision = lax.Precision.HIGHEST if a.dtype == _F32 else None
+  return lax.dot_general(a, b, dimension_numbers, precision=precision,
+                         preferred_element_type=_F32)
+
+
 def _logits(cfg: _Cfg, q, k, bias, qseg, kvseg, qpre, kvpre, rows, cols):
   """(float32 masked logits [bq, bk], boolean mask or None) of one block: q [bq, H],
   k [bk, H], bias [bq, bk] or None, q-side rows [bq] and kv-side columns [bk] of
   segments / prefix flags (or None), global query rows [bq] and key columns [bk]."""
-  s = lax.dot_general(q, k, _NT, preferred_element_type=_F32)
+  s = _dot(q, k, _NT)
   if bias is not None:
     s = s + bias.astype(_F32)
   mask = None

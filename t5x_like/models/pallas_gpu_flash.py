@@ -11,8 +11,10 @@ Flash attention (Dao et al. 2022; FlashAttention-2, Dao 2023, for the loop order
 each program holds one [block_q, H] query block and loops over key blocks with an
 online softmax, so no [T, S] tensor reaches HBM. Written after jax's own
 jax/experimental/pallas/ops/gpu/attention.py (which has no bias, dropout or prefix).
-Logits and softmax in float32, matmuls in the input dtype with float32 accumulation
-(float32 inputs: IEEE float32 products), output in q's dtype.
+Logits and softmax in float32, matmuls on operands in the input dtype with float32
+accumulation, output in q's dtype. Float32 inputs: every dot asks for
+precision=HIGHEST, which Pallas' Triton lowering turns into IEEE float32 products
+(Triton's default for float32 is TF32); bfloat16 / float16 inputs: the default.
 - Heads: K key/value heads dividing N are repeated to N before the kernel (jnp.repeat;
   its autodiff sums dk, dv back over each group): [B, S, N, H] in HBM, never [T, S].
 - bias: [1 or B, N, T, S], read block by block. Its gradient comes from its own kernel
@@ -51,8 +53,8 @@ from jax.experimental.pallas import triton as plgpu
 from t5x_like.models import dropout_hash
 # The block math lives beside it; BLOCKS and unsupported are this module's API too.
 from t5x_like.models.pallas_gpu_blocks import (  # noqa: F401
-    _F32, _NT, _TN, BLOCKS, _Cfg, _block, _dropped, _logits, _opt, _row_hash, _skips,
-    _span, unsupported)
+    _F32, _NN, _NT, _TN, BLOCKS, _Cfg, _block, _dot, _dropped, _logits, _opt, _row_hash,
+    _skips, _span, unsupported)
 
 Array = jax.Array
 
@@ -80,8 +82,7 @@ def _fwd_kernel(sc_ref, q_ref, k_ref, v_ref, bias_ref, qseg_ref, kvseg_ref, qpre
     p = jnp.exp(s - m_next[:, None])
     l_next = alpha * l_prev + jnp.sum(p, axis=1)  # undropped
     v = v_ref[keys, :]
-    pv = lax.dot_general(_dropped(cfg, row_hash, cols, p).astype(v.dtype), v,
-                         (((1,), (0,)), ((), ())), preferred_element_type=_F32)
+    pv = _dot(_dropped(cfg, row_hash, cols, p).astype(v.dtype), v, _NN)
     return alpha[:, None] * acc + pv, m_next, l_next
 
   upper = num_k
@@ -102,7 +103,7 @@ def _ds(cfg, q, k, v, do, bias, masks, m, l, di, rows, cols, row_hash):
   # Row max and sum, not their logsumexp: a fully masked row's m + log(l) rounds to m,
   # and its probabilities would come back as 1 instead of 1 / S.
   p = jnp.exp(s - m[:, None]) * (1.0 / l)[:, None]
-  dp = _dropped(cfg, row_hash, cols, lax.dot_general(do, v, _NT, preferred_element_type=_F32))
+  dp = _dropped(cfg, row_hash, cols, _dot(do, v, _NT))
   # di = rowsum(do * out) = rowsum(dp * p) also with dropout (out = dropped p @ v).
   ds = p * (dp - di[:, None])
   return (_dropped(cfg, row_hash, cols, p),
@@ -126,8 +127,8 @@ def _dkv_kernel(sc_ref, q_ref, k_ref, v_ref, bias_ref, qseg_ref, kvseg_ref, qpre
     masks = (_opt(qseg_ref, qs), kvseg, _opt(qpre_ref, qs), kvpre)
     pd, ds = _ds(cfg, q, k, v, do, _opt(bias_ref, (qs, slice(None))), masks, m_ref[qs],
                  l_ref[qs], di_ref[qs], rows, cols, _row_hash(cfg, sc_ref, b, n, rows))
-    dv = dv + lax.dot_general(pd.astype(do.dtype), do, _TN, preferred_element_type=_F32)
-    dk = dk + lax.dot_general(ds.astype(q.dtype), q, _TN, preferred_element_type=_F32)
+    dv = dv + _dot(pd.astype(do.dtype), do, _TN)
+    dk = dk + _dot(ds.astype(q.dtype), q, _TN)
     return dk, dv
 
   lower = 0
@@ -154,8 +155,7 @@ def _dq_kernel(sc_ref, q_ref, k_ref, v_ref, bias_ref, qseg_ref, kvseg_ref, qpre_
     masks = (qseg, _opt(kvseg_ref, keys), qpre, _opt(kvpre_ref, keys))
     _, ds = _ds(cfg, q, k, v_ref[keys, :], do, _opt(bias_ref, (slice(None), keys)), masks,
                 m, l, di, rows, _span(j, bk), row_hash)
-    return dq + lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
-                                preferred_element_type=_F32)
+    return dq + _dot(ds.astype(k.dtype), k, _NN)
 
   upper = num_k
   if _skips(cfg, qpre_ref is not None):
