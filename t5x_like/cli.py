@@ -86,30 +86,13 @@ def _reexec_with_huge_pages() -> None:
   os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
-def _pci_vendor_present(vendor: str) -> bool:
-  """Whether a PCI device of `vendor` ('0x1ae0': Google's TPUs) is on this host."""
-  root = "/sys/bus/pci/devices"
-  try:
-    names = os.listdir(root)
-  except OSError:
-    return False
-  for name in names:
-    try:
-      with open(os.path.join(root, name, "vendor")) as f:
-        if f.read().strip() == vendor:
-          return True
-    except OSError:
-      continue
-  return False
-
-
 def _leave_out_absent_tpu() -> None:
   """Sets JAX_PLATFORMS=cpu where libtpu is installed (the tpu and test extras) but the
   host has no TPU chip and no NVIDIA GPU, and JAX_PLATFORMS is unset: jax would otherwise
   start libtpu's backend, which prints a page of errors before jax falls back to the CPU.
-  The PCI check is the one jax's hardware_utils makes; TPU device files (/dev/accel*,
-  /dev/vfio: a container that hides /sys) also count as a TPU. Compiling for a TPU
-  slice (`plan --compile`) needs no TPU backend."""
+  The PCI check is the one jax's hardware_utils makes; device files (/dev/accel*,
+  /dev/vfio for a TPU, /dev/nvidia0, ... for a GPU: a container that hides /sys) count
+  too. Compiling for a TPU slice (`plan --compile`) needs no TPU backend."""
   if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None:
     return
   if not accelerator_present():
@@ -120,14 +103,17 @@ def _set_gpu_xla_flags() -> None:
   """Adds gpu_flags' XLA flags to XLA_FLAGS on a host with an NVIDIA GPU (before jax
   is imported, which reads XLA_FLAGS once)."""
   os.environ.update(gpu_flags.with_gpu_flags(os.environ,
-                                             gpu_present=_pci_vendor_present("0x10de")))
+                                             gpu_present=gpu_flags.nvidia_gpu_present()))
 
 
-def accelerator_present() -> bool:
-  """A TPU (Google's PCI vendor 0x1ae0, or /dev/accel*, /dev/vfio) or an NVIDIA GPU (PCI
-  vendor 0x10de) on this host."""
-  return (_pci_vendor_present("0x1ae0") or _pci_vendor_present("0x10de")
-          or bool(glob.glob("/dev/accel*")) or os.path.exists("/dev/vfio"))
+def accelerator_present(pci_root: str = gpu_flags.PCI_DEVICES, dev_root: str = "/dev") -> bool:
+  """A TPU (Google's PCI vendor 0x1ae0, or dev_root/accel*, dev_root/vfio) or an NVIDIA
+  GPU (gpu_flags.nvidia_gpu_present: PCI vendor 0x10de or dev_root/nvidia0, ...) on this
+  host; pci_root lists the PCI devices (/sys/bus/pci/devices)."""
+  return (gpu_flags.pci_vendor_present("0x1ae0", pci_root)
+          or bool(glob.glob(os.path.join(glob.escape(dev_root), "accel*")))
+          or os.path.exists(os.path.join(dev_root, "vfio"))
+          or gpu_flags.nvidia_gpu_present(pci_root, dev_root))
 
 
 def main(argv=None) -> int:
