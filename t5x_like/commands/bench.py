@@ -1,4 +1,4 @@
-"""`t5x-like bench data | attention | model | compile | peer | bert-vs-torch [flags]`.
+"""`t5x-like bench data | attention | model | compile | peer | bert-vs-torch | gpu [flags]`.
 
   data           tokens/s per core of an objective (plus packing) and of tokenization;
                  with --prepared, prepared corpora at --sizes: bench/data.py, bench/prepared.py
@@ -12,6 +12,10 @@
                  (BERT, GPT-2), eager and torch.compile'd (--compile): bench/peers.py
   bert-vs-torch  our BERT step against transformers' BertForPreTraining in bfloat16 and
                  float32 (the CPU regression guard): bench/peers.py
+  gpu            every GPU figure of docs/benchmarks.md in one budgeted call, most
+                 important first, into --out (results.json, summary.md, log.txt,
+                 traces.tar.gz); --rehearse runs the same steps on the CPU at smoke
+                 shapes: bench/gpu_suite.py, bench/gpu_steps.py
 
 Each prints one JSON object. model, compile, peer and bert-vs-torch take
 --config FILE[:ARG] [--config.KEY=VALUE ...] (absl / ml-collections flags, as `train`).
@@ -42,6 +46,8 @@ COMMANDS = {
     "peer": "our train step against transformers' PyTorch model (BERT, GPT-2), eager and"
             " compiled",
     "bert-vs-torch": "our BERT step against transformers' BertForPreTraining",
+    "gpu": "every GPU figure in one budgeted call: the peers' ratios, the recipes' MFU and"
+           " profiles, the fused kernel's checks, the variants (--out DIR [--rehearse])",
 }
 
 
@@ -85,6 +91,8 @@ def main(argv: list[str]) -> int:
     return _bench_data(argv)
   if what == "attention":
     return _bench_attention(argv)
+  if what == "gpu":
+    return _bench_gpu(argv)
   fv = parse_flags(f"bench {what}", argv, _flags, doc=COMMANDS[what])
   if what in ("peer", "bert-vs-torch"):
     # PyTorch shares the GPU: JAX allocates as it needs instead of taking 75% up front
@@ -196,3 +204,46 @@ def _bench_attention(argv: list[str]) -> int:
     raise UserError(str(e)) from None
   print(json.dumps(result, indent=1))
   return 0
+
+
+# ------------------------------------------------------------------ gpu
+def _gpu_flags(argv: list[str]) -> flags.FlagValues:
+  del argv
+  fv = flags.FlagValues()
+  flags.DEFINE_string("out", None, "an empty (or new) folder for results.json, summary.md,"
+                      " log.txt and traces.tar.gz", flag_values=fv)
+  flags.DEFINE_bool("rehearse", False, "run every step on this machine's default backend"
+                    " at smoke shapes (the CPU rehearsal of a GPU call)", flag_values=fv)
+  flags.DEFINE_float("budget", 540.0, "seconds for the whole run; the steps left after it"
+                     " are skipped (and recorded as skipped)", flag_values=fv)
+  flags.DEFINE_list("only", [], "run only these steps (--list names them)", flag_values=fv)
+  flags.DEFINE_string("configs", "configs", "the folder of the repository's configs",
+                      flag_values=fv)
+  flags.DEFINE_string("commit", "", "the commit to record (default: git's, where the"
+                      " tree is a checkout)", flag_values=fv)
+  flags.DEFINE_bool("list", False, "print the steps in order and exit", flag_values=fv)
+  return fv
+
+
+def _bench_gpu(argv: list[str]) -> int:
+  fv, _ = parse_flags_and_args("bench gpu", argv, _gpu_flags, doc=COMMANDS["gpu"],
+                               positionals="")
+  from t5x_like.bench import gpu_steps, gpu_suite
+  if fv.list:
+    for step in gpu_steps.suite_steps(rehearse=fv.rehearse, configs=fv.configs):
+      env = " ".join(f"{k}={v}" for k, v in step.env)
+      print(f"{step.name:22s} {step.kind:8s} {step.timeout:4d} s  {step.title}")
+      if step.args:
+        print(f"{'':22s} {env + ' ' if env else ''}{' '.join(step.args)}")
+    return 0
+  if not fv.out:
+    raise FlagError("--out is required (an empty folder for the results)")
+  results = gpu_suite.run_suite(fv.out, rehearse=fv.rehearse, budget=fv.budget,
+                                only=fv.only, configs=fv.configs, commit=fv.commit)
+  with open(os.path.join(fv.out, "summary.md")) as f:
+    print(f.read(), end="")
+  bad = [s["name"] for s in results["steps"] if s["status"] in ("failed", "timeout")]
+  if bad:
+    print(f"t5x-like bench gpu: {len(bad)} step(s) did not pass: {', '.join(bad)}"
+          f" (log: {os.path.join(fv.out, 'log.txt')})", file=sys.stderr)
+  return 1 if bad else 0
