@@ -52,7 +52,7 @@ COMMANDS = {
              " books-within --out DIR"),
     "data": ("t5x_like.commands.prepare", "prepare corpora: prepare --config FILE[:ARG] --out"
              " DIR [--runner ...] tokenizes a config's source once with Apache Beam"),
-    "bench": ("t5x_like.commands.bench", "benchmarks: data, model, attention, compile, peer,"
+    "bench": ("t5x_like.commands.bench", "benchmarks: data, model, attention, compile, peer, gpu,"
               " bert-vs-torch"),
 }
 DATA_STEPS = {"prepare": "tokenize a config's source once with Apache Beam into a prepared"
@@ -83,7 +83,9 @@ def _reexec_with_huge_pages() -> None:
     return
   env = dict(os.environ, GLIBC_TUNABLES=":".join(filter(None, (tunables,
                                                                 _HUGE_PAGES_TUNABLE))))
-  os.execve(sys.executable, [sys.executable, *sys.argv], env)
+  # The interpreter's own command line (sys.orig_argv), not sys.argv: a start as
+  # `python -m t5x_like.cli` or `python -c` restarts the same way, options included.
+  os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
 def _leave_out_absent_tpu() -> None:

@@ -111,3 +111,21 @@ def test_boolean_and_list_flags_keep_their_spellings():
   assert (fv.objective, fv.prepared, bench._numbers(fv, "sizes", float),
           bench._numbers(fv, "workers", int)) == ("span_corruption", True, [50.0, 2000.0],
                                                   [1, 2])
+
+
+@pytest.mark.parametrize("start", [["-m", "t5x_like.cli"],
+                                   ["-c", "import sys; from t5x_like.cli import main;"
+                                          " sys.exit(main())"]])
+def test_the_huge_pages_restart_keeps_a_module_or_code_start(start, tmp_path):
+  """The command restarts itself once (GLIBC_TUNABLES); started as `python -m` or
+  `python -c` it must restart the same way (sys.argv alone lost the -m / -c)."""
+  import os
+  import subprocess
+  import sys
+  env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES",
+                                                          "T5X_LIKE_HUGE_PAGES")}
+  env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  run = subprocess.run([sys.executable, *start, "models", "bert-tiny"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=120)
+  assert run.returncode == 0, run.stderr
+  assert json.loads(run.stdout)["params"] == 4433468
