@@ -12,17 +12,26 @@ exit 2): an unknown flag, a bad value, a missing required flag, a config file th
 not exist or fails to load, and a --config.KEY override naming a key the config does
 not have (with the closest known keys). Config files are read before absl parses the
 flags, so that ml-collections never meets a key it cannot set.
+
+The sections of OPEN_SECTIONS (model.overrides: ModelConfig fields) take any field of
+their dataclass, which the config file sets only some of: `--config.model.overrides.
+FIELD=VALUE` is parsed here, by the field's type as ml-collections parses a key's, and
+set after absl's parse; a name that is no field is refused with the closest fields.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import importlib
 import importlib.util
 import os
+import re
 import sys
 import traceback
 import types
-from typing import Callable, Optional, Sequence
+import typing
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import ml_collections
 from absl import flags
@@ -30,6 +39,16 @@ from absl import flags
 from t5x_like.errors import UserError
 
 HELP_FLAGS = ("-h", "--help", "--helpshort", "--helpfull")
+
+# Config sections whose keys are the fields of a dataclass: dotted section -> (module,
+# class), imported only when a flag names the section (t5x_like.models imports jax).
+OPEN_SECTIONS = {
+    "model.overrides": ("t5x_like.models.config", "ModelConfig"),
+    "init.model_overrides": ("t5x_like.models.config", "ModelConfig"),  # finetune
+}
+# The absl parsers ml-collections gives a key of each type (config_flags).
+_FIELD_PARSERS = {int: flags.IntegerParser(), float: flags.FloatParser(),
+                  bool: flags.BooleanParser(), str: flags.ArgumentParser()}
 
 
 class FlagError(UserError):
@@ -66,22 +85,32 @@ def parse_flags_and_args(command: str, argv: Sequence[str],
   `prog` replaces "t5x-like <command>" in the usage line (a `python -m` tool)."""
   argv = list(argv)
   prog = prog or f"t5x-like {command}"
-  full_argv = [prog, *argv]
-  fv = make_flags(full_argv)
   if any(a in HELP_FLAGS for a in argv):
+    fv = make_flags([prog, *argv])
     print(usage_text(command, fv, doc, positionals=positionals, prog=prog))
     raise HelpShown()
+  argv, field_overrides = split_field_overrides(argv)  # ml-collections never sees them
+  full_argv = [prog, *argv]
+  fv = make_flags(full_argv)
+  if field_overrides and "config" not in fv:
+    raise FlagError(f"Unknown command line flag {field_overrides[0].flag.lstrip('-')!r}"
+                    f" ({prog} takes no config)")
   config_spec = flag_value(argv, "config")
   if config_spec and "config" in fv:
     config = load_config(config_spec)
     for key, flag in _config_overrides(argv):
       check_config_key(config, key, flag)
+    for override in field_overrides:
+      if not _has_key(config, override.section):  # names the first missing part
+        check_config_key(config, f"{override.section}.{override.field}", override.flag)
   try:
     args = fv(full_argv)[1:]
   except flags.Error as e:
     raise FlagError(str(e)) from None
   except Exception as e:  # noqa: BLE001  (ml-collections raises many types for a bad override)
     raise FlagError(f"{' '.join(argv)}: {type(e).__name__}: {e}") from None
+  if field_overrides and fv["config"].value is not None:
+    set_field_overrides(fv.config, field_overrides)
   missing = [f"--{name}" for name in required if fv[name].value in (None, "")]
   if missing:
     raise FlagError(f"{', '.join(missing)} required ({prog} --help lists the flags)")
@@ -108,6 +137,8 @@ def usage_text(command: str, fv: flags.FlagValues, doc: Optional[str],
     lines.append(f"  --{name}: {flag.help}{default}")
     if name == "config":
       lines.append("  --config.KEY=VALUE: override any key of the config (repeatable)")
+      lines.append("  --config.model.overrides.FIELD=VALUE (finetune: init.model_overrides):"
+                   " any ModelConfig field (t5x_like/models/config.py), in the file or not")
   lines.append("  --debug: show the traceback of an error (a t5x-like flag)")
   return "\n".join(lines)
 
@@ -194,6 +225,15 @@ def config_keys(config, prefix: str = "") -> list[str]:
   return keys
 
 
+def _has_key(config, key: str) -> bool:
+  """Whether `config` has the dotted `key`."""
+  for part in key.split("."):
+    if not (isinstance(config, ml_collections.ConfigDict) and part in config):
+      return False
+    config = config[part]
+  return True
+
+
 def check_config_key(config, key: str, flag: str) -> None:
   """FlagError naming the full key and the closest known keys when `config` has no `key`."""
   node = config
@@ -210,6 +250,96 @@ def check_config_key(config, key: str, flag: str) -> None:
             f"; the config has no key {'.'.join(key.split('.')[:i + 1])!r}"
             " (t5x_like/train/defaults.py lists every key)")
     raise FlagError(f"{flag}: unknown config key {key!r}{hint}")
+
+
+# ------------------------------------------------------- open sections (model.overrides)
+class FieldOverride(NamedTuple):
+  """--config.SECTION.FIELD=VALUE of an OPEN_SECTIONS section, its value parsed."""
+  section: str  # "model.overrides"
+  field: str
+  value: Any
+  flag: str  # as given, for messages
+
+
+_OPEN_FLAG = re.compile(r"^--?(no)?config\.(%s)\.([^.=]+)(?:=(.*))?$"
+                        % "|".join(re.escape(s) for s in OPEN_SECTIONS), re.S)
+
+
+def field_types(section: str) -> dict[str, tuple[type, bool]]:
+  """{field: (type, whether None is allowed)} of the dataclass of an OPEN_SECTIONS
+  section (Optional[int] -> (int, True))."""
+  module, name = OPEN_SECTIONS[section]
+  cls = getattr(importlib.import_module(module), name)
+  hints = typing.get_type_hints(cls)
+  out = {}
+  for field in dataclasses.fields(cls):
+    args = typing.get_args(hints[field.name])
+    optional = type(None) in args
+    kind = next(a for a in args if a is not type(None)) if optional else hints[field.name]
+    out[field.name] = (kind, optional)
+  return out
+
+
+def split_field_overrides(argv: list[str]) -> tuple[list[str], list[FieldOverride]]:
+  """(argv without them, the OPEN_SECTIONS overrides in argv, in order). Forms as absl's:
+  --config.S.F=V, --config.S.F V, and for a bool field --config.S.F / --noconfig.S.F.
+  FlagError for a name that is no field (with the closest fields) or a bad value."""
+  rest, out, i = [], [], 0
+  while i < len(argv):
+    arg = argv[i]
+    i += 1
+    if arg == "--":  # positional arguments follow
+      rest += argv[i - 1:]
+      break
+    match = _OPEN_FLAG.match(arg)
+    if not match:
+      rest.append(arg)
+      continue
+    negated, section, field, value = match.groups()
+    flag = arg.split("=", 1)[0]
+    types_ = field_types(section)
+    if field not in types_:
+      close = _closest(field, list(types_), cutoff=0.0)  # some field is always closest
+      hint = f"; did you mean {' or '.join(repr(f'{section}.{c}') for c in close)}?"
+      module, name = OPEN_SECTIONS[section]
+      raise FlagError(f"{flag}: unknown config key {f'{section}.{field}'!r}: not a field of"
+                      f" {name} ({module.replace('.', '/')}.py){hint}")
+    kind, optional = types_[field]
+    if kind is bool and value is None:
+      value = "false" if negated else "true"
+    elif negated:
+      raise FlagError(f"{flag}: --no... is for boolean fields; {section}.{field} is a"
+                      f" {kind.__name__}")
+    elif value is None:
+      if i >= len(argv):
+        raise FlagError(f"{flag}: a value is required ({flag}=VALUE)")
+      value, i = argv[i], i + 1
+    out.append(FieldOverride(section, field, _parse_field(flag, value, kind, optional),
+                             flag))
+  return rest, out
+
+
+def _parse_field(flag: str, value: str, kind: type, optional: bool) -> Any:
+  """value parsed as ml-collections parses a key of type `kind`; 'None' / 'none' is
+  None where the field allows it."""
+  if optional and value in ("None", "none"):
+    return None
+  try:
+    return _FIELD_PARSERS[kind].parse(value)
+  except (ValueError, flags.Error) as e:
+    allowed = " (or None)" if optional else ""
+    raise FlagError(f"{flag}={value}: expected {kind.__name__}{allowed}: {e}") from None
+
+
+def set_field_overrides(config: ml_collections.ConfigDict,
+                        overrides: Sequence[FieldOverride]) -> None:
+  """Sets each override in `config` (locked or not; its type replaces the file's)."""
+  for override in overrides:
+    section = config
+    for part in override.section.split("."):
+      section = section[part]
+    with section.unlocked(), section.ignore_type():
+      section[override.field] = override.value
 
 
 def _closest(key: str, candidates: list[str], cutoff: float) -> list[str]:

@@ -113,6 +113,46 @@ def test_boolean_and_list_flags_keep_their_spellings():
                                                   [1, 2])
 
 
+# ------------------------------------------- model.overrides: any ModelConfig field
+GPT2 = "--config=configs/gpt2_pretrain.py:124m"
+
+
+@pytest.mark.parametrize("command", ["train", "plan", "infer", "prepare", "bench"])
+def test_model_overrides_take_any_model_config_field(command):
+  """gpt2_pretrain.py's model.overrides has none of these keys (ml-collections alone
+  refuses them); each is parsed by its ModelConfig type, in every form absl takes, for
+  every command with a config, and reaches the built model."""
+  import importlib
+  from t5x_like.command_flags import parse_flags
+  from t5x_like.experiment import build_model_from_config
+  module = importlib.import_module(f"t5x_like.commands.{command}")
+  fv = parse_flags(command, [GPT2, "--config.model.overrides.loss_chunk_rows=0",
+                             "--config.model.overrides.num_kv_heads", "4",
+                             "--config.model.overrides.head_dim=None",
+                             "--noconfig.model.overrides.use_bias",
+                             "--config.model.overrides.dropout_rate=0.25",
+                             "--config.model.overrides.vocab_size=50304"],
+                   module._flags, required=())
+  overrides = dict(fv.config.model.overrides)
+  assert overrides == dict(attention_dropout_rate=0.0, dropout_rate=0.25, head_dim=None,
+                           loss_chunk_rows=0, num_kv_heads=4, use_bias=False,
+                           vocab_size=50304)
+  assert type(overrides["loss_chunk_rows"]) is int
+  assert type(overrides["dropout_rate"]) is float
+  cfg = build_model_from_config(fv.config, 50257).config
+  assert (cfg.loss_chunk_rows, cfg.num_kv_heads, cfg.use_bias, cfg.vocab_size) == (
+      0, 4, False, 50304)
+
+
+def test_finetune_model_overrides_take_any_model_config_field():
+  from t5x_like.command_flags import parse_flags
+  from t5x_like.commands import finetune
+  fv = parse_flags("finetune", ["--config=configs/finetune_books.py:bert,smoke",
+                                "--config.init.model_overrides.loss_chunk_rows=0"],
+                   finetune._flags, required=())
+  assert dict(fv.config.init.model_overrides) == {"loss_chunk_rows": 0}
+
+
 @pytest.mark.parametrize("start", [["-m", "t5x_like.cli"],
                                    ["-c", "import sys; from t5x_like.cli import main;"
                                           " sys.exit(main())"]])
