@@ -23,13 +23,25 @@ def test_embedded_corpus_ships_eight_books():
     corpus.read_book("nope")
 
 
-def test_bench_data_prints_tokens_per_second(capsys):
+def test_bench_data_prints_tokens_per_second_and_its_environment(capsys):
+  """Every bench JSON carries "environment" (bench/environment.py), these keys exactly:
+  a driver that collects the JSONs reads them."""
+  import os
+  import platform
+  import jax
+  import torch
   assert cli.main(["bench", "data", "--objective", "causal_lm", "--length", "128",
                    "--batch", "4", "--steps", "2", "--repeats", "1"]) == 0
   result = json.loads(capsys.readouterr().out)
   assert result["objective"] == "causal_lm" and result["length"] == 128
   assert result["objective_tokens_per_second_per_core"] > 0
   assert result["tokenization_tokens_per_second_per_core"] > 0
+  assert result["environment"] == {
+      "jax": jax.__version__, "jaxlib": jax.lib.__version__, "backend": "cpu",
+      "device_kind": jax.devices()[0].device_kind, "device_count": 8,  # conftest's
+      "xla_flags": os.environ["XLA_FLAGS"], "python": platform.python_version(),
+      "torch": torch.__version__}
+  assert "--xla_force_host_platform_device_count=8" in result["environment"]["xla_flags"]
 
 
 # ------------------------------------------------------------------ one flag style

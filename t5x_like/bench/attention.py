@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from t5x_like.bench.environment import environment
 from t5x_like.models.attention_core import choose_kernel, attend
 from t5x_like.models.attention_kernels import pallas_gpu_unsupported, pallas_interpret
 from t5x_like.models.masks import MaskSpec, mask_spec
@@ -188,5 +189,6 @@ def bench_attention(*, batch: int = 4, length: int = 512, heads: int = 16, kv_he
         if impl in HASHED_DROPOUT and not interpret_pallas:  # interpret mode: no timing
           result["dropout"][impl]["fwd_bwd_ms"] = _dropout_ms(impl, cases["padding"], inputs,
                                                               dt, steps)
+  result["environment"] = environment()
   return result
 

@@ -13,6 +13,7 @@ import statistics
 import tempfile
 import time
 
+from t5x_like.bench.environment import environment
 from t5x_like.data.loader import BatchPlan
 from t5x_like.data.pipeline import OBJECTIVES, make_objective
 from t5x_like.data.sources import EmbeddedCorpus
@@ -60,6 +61,7 @@ def bench_objective(objective: str, *, length: int | None = None, batch_size: in
     result["tokenization_tokens_per_second_per_core"] = tok["tokens_per_second"]
     result["tokenization"] = tok
   result["corpus_stats"] = {k: v for k, v in store_stats.items() if k != "source"}
+  result["environment"] = environment()
   return result
 
 

@@ -32,6 +32,7 @@ from t5x_like.data.loader import make_loader
 from t5x_like.data.sources import EmbeddedCorpus
 from t5x_like.data.tokenize import build_store
 from t5x_like.bench import profile as profile_lib
+from t5x_like.bench.environment import environment
 from t5x_like.models.attention_core import record_kernels
 from t5x_like.parallel import shard_batch
 from t5x_like.plan.compiled import compile_train_step, xla_memory
@@ -269,6 +270,7 @@ def bench_model(config: ml_collections.ConfigDict, *, steps: int = 10, warmup: i
         "tokens_per_second": round(batch_size / seconds, 1),
     }
   result["peak_memory_bytes"] = peak_memory_bytes(device)
+  result["environment"] = environment()
   return result
 
 
@@ -310,4 +312,5 @@ def bench_compile(config: ml_collections.ConfigDict, depths: list[int]) -> dict:
   return {"model": config.model.preset, "scan_layers": cfg.scan_layers,
           "remat_policy": cfg.remat_policy, "dtype": cfg.dtype,
           "batch_shapes": {k: list(v) for k, v in batch_shapes.items()},
-          "device": jax.devices()[0].device_kind, "compile": rows}
+          "device": jax.devices()[0].device_kind, "compile": rows,
+          "environment": environment()}

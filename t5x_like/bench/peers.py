@@ -33,6 +33,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from t5x_like.bench.environment import environment
 from t5x_like.bench.model import TrainBench, disable_compilation_cache, host_batches, peak_flops
 from t5x_like.bench.torch_peer import TorchStep, device_name, peer_for, torch_adamw
 from t5x_like.experiment import build_model_from_config, config_vocab
@@ -184,6 +185,7 @@ def bench_peer(config: ml_collections.ConfigDict, *, steps: int = 10, rounds: in
       f"ours_over_torch_{mode}": round(result["ours"]["tokens_per_second"]
                                        / result[f"torch_{mode}"]["tokens_per_second"], 3)
       for mode in COMPILE_MODES[compile]}
+  result["environment"] = environment()
   return result
 
 
@@ -228,4 +230,5 @@ def bench_bert_vs_torch(config: ml_collections.ConfigDict, *, steps: int = 3, ro
       f"ours_{d}_over_torch_{d}": round(result[f"ours_{d}"]["tokens_per_second"]
                                         / result[f"torch_{d}"]["tokens_per_second"], 3)
       for d in DTYPES}
+  result["environment"] = environment()
   return result

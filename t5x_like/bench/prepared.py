@@ -33,6 +33,8 @@ import time
 
 import numpy as np
 
+from t5x_like.bench.environment import environment
+
 _STARTUP = r"""
 import json, sys, time
 start = time.perf_counter()
@@ -159,4 +161,5 @@ def bench_prepared(*, sizes_mb=(50, 2000), objective: str = "span_corruption",
       shutil.rmtree(prepared)
   finally:
     shutil.rmtree(root, ignore_errors=True)
+  result["environment"] = environment()
   return result
