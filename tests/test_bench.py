@@ -134,6 +134,15 @@ def test_bench_model_reports_consistent_figures(capsys, config, decode):
   assert train["compile_seconds"] > 0
   assert train["xla_memory_per_device"]["total_bytes"] > 0
   assert out["peak_memory_bytes"] > 0
+  # The roofline on this CPU (measured peak and bandwidth; fake devices share the cores,
+  # so it is an estimate here, not a bound): its MFU ceiling and the MFU reached are
+  # against the same peak, so their ratio is the bound over the measured step.
+  bound = train["roofline"]
+  assert bound["chip"]["peak_flops"] == pytest.approx(peaks[out["dtype"]] * 1e12, abs=1e8)
+  assert bound["seconds"] > 0 and bound["memory_seconds"] > 0
+  assert train["measured_over_bound"] == pytest.approx(seconds / bound["seconds"], rel=1e-2)
+  assert train["mfu"] / bound["mfu_ceiling"] == pytest.approx(bound["seconds"] / seconds,
+                                                               rel=0.02)
   assert ("decode" in out) == decode
   if decode:
     assert out["decode"]["cache_length"] == shapes["decoder_input_tokens"][1]

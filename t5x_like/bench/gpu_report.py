@@ -90,20 +90,29 @@ def _model_figures(result: dict) -> dict[str, Any]:
 
 
 def _peer_figures(result: dict) -> dict[str, Any]:
-  ours, ratios = result["ours"], result["ratios"]
-  out = {"tokens_per_second": ours["tokens_per_second"], "mfu": ours.get("mfu"),
-         "batch_shapes": result.get("batch_shapes"), "kernels": _kernels(result),
-         "peak_memory_bytes": ours.get("peak_memory_bytes"), "ratios": ratios}
-  for name in ("torch_compiled", "torch_eager"):
-    if name in result:
-      out[name] = {k: result[name].get(k) for k in ("tokens_per_second", "mfu",
-                                                    "peak_memory_bytes", "compile_seconds")}
-  return out
+  """Ours against the torch.compile'd peer (eager where only eager ran: the rehearsal)."""
+  ours = result["ours"]
+  mode = "compiled" if "torch_compiled" in result else "eager"
+  torch = result[f"torch_{mode}"]
+  return {"tokens_per_second": ours["tokens_per_second"], "mfu": ours.get("mfu"),
+          "batch_shapes": result.get("batch_shapes"), "kernels": _kernels(result),
+          "peak_memory_bytes": ours.get("peak_memory_bytes"), "torch_mode": mode,
+          "torch": {k: torch.get(k) for k in ("tokens_per_second", "mfu",
+                                              "peak_memory_bytes", "first_step_seconds")},
+          "ratio": result["ratios"][f"ours_over_torch_{mode}"]}
 
 
 def _attention_figures(result: dict) -> dict[str, Any]:
-  return {"kernels": sorted(result.get("kernels", {}))
-          if isinstance(result.get("kernels"), dict) else result.get("kernels")}
+  """Per kernel: the largest error against float32 over the masks (outputs and
+  gradients) and the range of its forward + backward time; the kernels skipped, why."""
+  out = {}
+  for impl, cases in (result.get("kernels") or {}).items():
+    errors = [v for case in cases.values() for k, v in case.items() if k != "fwd_bwd_ms"]
+    ms = [case["fwd_bwd_ms"] for case in cases.values() if "fwd_bwd_ms" in case]
+    out[impl] = {"largest_error": max(errors, default=None),
+                 "fwd_bwd_ms": [min(ms), max(ms)] if ms else None,
+                 "dropout": (result.get("dropout") or {}).get(impl)}
+  return {"attention": out, "skipped": result.get("skipped") or {}}
 
 
 def figures(step, result: dict) -> dict[str, Any]:
@@ -163,8 +172,8 @@ def step_line(record: dict) -> str:
   """One line per finished step (stderr while the suite runs)."""
   f = record.get("figures") or {}
   extra = ""
-  if "ratios" in f:
-    extra = " " + " ".join(f"{k}={v}" for k, v in f["ratios"].items())
+  if "ratio" in f:
+    extra = f" ours / torch {f['torch_mode']} {f['ratio']}"
   elif "mfu" in f:
     extra = f" {_num(f['tokens_per_second'])} tokens/s, MFU {_pct(f['mfu'])}"
   elif "verdict" in f:
@@ -177,17 +186,19 @@ def _row(record: dict) -> str:
   f = record.get("figures") or {}
   note = record.get("reason", "") if record["status"] != "ok" else ""
   tokens = _num(f.get("tokens_per_second"))
-  if "ratios" in f:
-    compiled = (f.get("torch_compiled") or {}).get("tokens_per_second")
-    tokens += f" (torch.compile {_num(compiled)})"
-    note = "; ".join(filter(None, [", ".join(f"{k} {v}" for k, v in f["ratios"].items()),
-                                   note]))
+  if "ratio" in f:
+    tokens += f" (torch {f['torch_mode']} {_num(f['torch']['tokens_per_second'])})"
+    note = "; ".join(filter(None, [f"ours / torch {f['torch_mode']} {f['ratio']:.3f}", note]))
   if record.get("fallback"):
     fb = record["fallback"]
     note = "; ".join(filter(None, [f"fallback {' '.join(fb['flags'])} after: {fb['because'][:80]}",
                                    note]))
   if "verdict" in f:
     note = "; ".join(filter(None, [f["verdict"], note if note != f["verdict"] else ""]))
+  for impl, a in (f.get("attention") or {}).items():
+    ms = a["fwd_bwd_ms"]
+    note = "; ".join(filter(None, [note, f"{impl}: error {a['largest_error']:.3g}" +
+                                   (f", {ms[0]:.2f}-{ms[1]:.2f} ms" if ms else "")]))
   bound = f.get("measured_over_bound")
   costliest = f.get("costliest")
   if costliest:

@@ -23,6 +23,7 @@ import os
 from typing import Optional
 
 from t5x_like import gpu_flags
+from t5x_like.models import attention_kernels
 
 # XLA:GPU's deterministic scatter, reductions and GEMM choice (it implies
 # --xla_gpu_exclude_nondeterministic_ops): a resumed run can then equal the whole one.
@@ -92,7 +93,8 @@ def _bench_model(name: str, recipe: str, title: str, extra: tuple[str, ...] = ()
                  configs: str, rehearse: bool, profile: bool = True,
                  env: tuple[tuple[str, str], ...] = (), timeout: int = 150) -> Step:
   r = RECIPES[recipe]
-  counts = ("--steps", "3", "--warmup", "1") if rehearse else ("--steps", "20", "--warmup", "3")
+  counts = (("--steps", "3", "--warmup", "1", "--peak_repeats", "3") if rehearse
+            else ("--steps", "20", "--warmup", "3"))
   args = ("bench", "model", *r.config_flag(configs, rehearse), *r.flags, *extra,
           *(r.smoke_flags if rehearse else ()), *counts, "--nodecode")
   return Step(name, title, args=args, env=env, timeout=timeout, recipe=recipe,
@@ -102,11 +104,12 @@ def _bench_model(name: str, recipe: str, title: str, extra: tuple[str, ...] = ()
 def _bench_peer(name: str, recipe: str, *, configs: str, rehearse: bool,
                 fallback_batch: Optional[int] = None, timeout: int = 200) -> Step:
   r = RECIPES[recipe]
-  counts = (("--steps", "2", "--warmup", "1") if rehearse
-            else ("--steps", "20", "--warmup", "3"))
+  # torch.compile takes minutes on a CPU: the rehearsal's small peer runs eager.
+  counts = (("--steps", "2", "--warmup", "1", "--compile", "eager", "--peak_repeats", "3")
+            if rehearse
+            else ("--steps", "20", "--warmup", "3", "--compile", "compiled"))
   args = ("bench", "peer", *r.config_flag(configs, rehearse), *r.flags,
-          *(r.smoke_flags if rehearse else ()), *counts, "--rounds", "1",
-          "--compile", "compiled")
+          *(r.smoke_flags if rehearse else ()), *counts, "--rounds", "1")
   fallback = ()
   if fallback_batch is not None:
     fallback = (f"--config.train.batch_size={fallback_batch // (8 if rehearse else 1)}",)
@@ -139,13 +142,14 @@ def suite_steps(*, rehearse: bool, configs: str = "configs") -> list[Step]:
   """Every step, in the order they run (module docstring)."""
   kw = dict(configs=configs, rehearse=rehearse)
   # On the CPU `auto` takes the explicit kernel; the rehearsal names the Pallas GPU
-  # kernel (interpret mode), which `auto` takes on a GPU for attention dropout.
+  # kernel, which `auto` takes on a GPU for attention dropout, in interpret mode.
   fused = ("--config.model.attention_impl=pallas_gpu",) if rehearse else ()
+  interpret = ((attention_kernels.PALLAS_INTERPRET_ENV, "1"),) if rehearse else ()
   steps = [
       _bench_peer("peer_gpt2", "gpt2", **kw),
       _bench_peer("peer_bert", "bert", fallback_batch=16, **kw),
       _bench_model("bert", "bert", f"{RECIPES['bert'].title}, attention_impl=auto", fused,
-                   **kw),
+                   env=interpret, **kw),
       _bench_model("gpt2", "gpt2", RECIPES["gpt2"].title, **kw),
       _bench_model("t5", "t5", RECIPES["t5"].title, **kw),
       _bench_model("bert_explicit", "bert", f"{RECIPES['bert'].title}, explicit kernel",
@@ -155,8 +159,9 @@ def suite_steps(*, rehearse: bool, configs: str = "configs") -> list[Step]:
            uses=("bert", "bert_explicit")),
       Step("resume", "SIGKILL after a save and a rerun through the fused kernel equal the"
            " whole run (XLA:GPU deterministic)", kind="resume",
-           args=resume_args(configs, rehearse), env=(("XLA_FLAGS", DETERMINISTIC_FLAG),),
-           timeout=100),
+           args=resume_args(configs, rehearse),
+           env=(("XLA_FLAGS", DETERMINISTIC_FLAG), *interpret),
+           timeout=240 if rehearse else 150),
       Step("attention", "every attention kernel against float32; time", args=(
           "bench", "attention",
           *(("--batch", "1", "--length", "64", "--heads", "2", "--head_dim", "16",
@@ -168,7 +173,7 @@ def suite_steps(*, rehearse: bool, configs: str = "configs") -> list[Step]:
       _bench_model("t5_full_logits", "t5", "T5 v1.1 base, full [B, T, V] logits",
                    ("--config.model.overrides.loss_chunk_rows=0",), **kw),
       _bench_model("bert_remat_auto", "bert", "BERT-large, remat_policy=auto",
-                   ("--config.model.remat_policy=auto", *fused), **kw),
+                   ("--config.model.remat_policy=auto", *fused), env=interpret, **kw),
       _bench_model("gpt2_remat_auto", "gpt2", "GPT-2 124M, remat_policy=auto",
                    ("--config.model.remat_policy=auto",), **kw),
       _bench_model("t5_remat_auto", "t5", "T5 v1.1 base, remat_policy=auto",
@@ -181,5 +186,6 @@ def suite_steps(*, rehearse: bool, configs: str = "configs") -> list[Step]:
                               env=(("XLA_FLAGS", flag), (gpu_flags.ENV, "none")), **kw))
   steps.append(_bench_model("bert_unrolled", "bert", "BERT-large, remat auto, unrolled",
                             ("--config.model.remat_policy=auto",
-                             "--config.model.scan_layers=false", *fused), **kw))
+                             "--config.model.scan_layers=false", *fused), env=interpret,
+                            **kw))
   return steps

@@ -210,8 +210,8 @@ def pack_traces(scratch: str, out_dir: str, limit: int = TRACE_LIMIT_BYTES) -> d
     return {"file": None, "note": "no profiles"}
   members = []
   for name in profiles:
-    for root, _, files in os.walk(os.path.join(scratch, name)):
-      for f in files:
+    for root, _, files in sorted(os.walk(os.path.join(scratch, name))):
+      for f in sorted(files):
         if f.endswith(".xplane.pb") or f.endswith(".hlo.txt"):
           members.append((os.path.join(root, f), f"{name[:-5]}/{f}"))
   path = os.path.join(out_dir, "traces.tar.gz")

@@ -185,3 +185,18 @@ def with_model_flops(bound: dict[str, Any], model_flops: float, num_devices: int
                         if out["seconds"] > 0 else None)
   return out
 
+
+
+def with_hidden_attention_flops(bound: dict[str, Any], model, batch_shapes,
+                                model_flops: float, num_devices: int) -> dict[str, Any]:
+  """with_model_flops for a train step: the attention kernels the HLO cannot see
+  (Pallas without a cost estimate, in `uncounted_kernels`) get the analytic count, 3x
+  the forward's attention matmuls (train/flops.py), shared over the devices."""
+  from t5x_like.train import flops as flops_lib
+  hidden = sorted(k for k in bound["uncounted_kernels"] if "attention" in k or "flash" in k)
+  extra = 0.0
+  if hidden:
+    attention = flops_lib.forward_flops_breakdown(model, batch_shapes).get("attention", 0.0)
+    extra = 3.0 * attention / num_devices
+  return with_model_flops(bound, model_flops, num_devices, extra,
+                          f"analytic attention FLOPs for {', '.join(hidden)}" if hidden else None)
