@@ -35,6 +35,7 @@ from t5x_like.bench import profile as profile_lib
 from t5x_like.bench.environment import environment
 from t5x_like.models.attention_core import record_kernels
 from t5x_like.parallel import shard_batch
+from t5x_like.plan import roofline as roofline_lib
 from t5x_like.plan.compiled import compile_train_step, xla_memory
 from t5x_like.train import flops as flops_lib
 from t5x_like.train.config_check import validate
@@ -76,19 +77,53 @@ def host_batches(config: ml_collections.ConfigDict, vocab, count: int = _NUM_BAT
   return [next(batches) for _ in range(count)]
 
 
-def peak_flops(device: jax.Device, previous: Optional[dict[str, float]] = None
-               ) -> dict[str, float]:
+def peak_flops(device: jax.Device, previous: Optional[dict[str, float]] = None,
+               repeats: int = 20) -> dict[str, float]:
   """{'bfloat16': , 'float32': } peak FLOP/s of one device. CPU: measured now (the
-  fastest of 20 matmuls; other load only slows a matmul down, so with `previous`, an
-  earlier measurement, the higher of the two is the ceiling), shared by the local
-  CPU devices; accelerators: the table (train/flops.py)."""
+  fastest of `repeats` matmuls; other load only slows a matmul down, so with
+  `previous`, an earlier measurement, the higher of the two is the ceiling), shared by
+  the local CPU devices; accelerators: the table (train/flops.py)."""
   if device.platform != "cpu":
     return {dtype: flops_lib.peak_flops_per_device(device, dtype)
             for dtype in ("bfloat16", "float32")}
   shares = len(jax.local_devices(backend="cpu"))
-  out = {dtype: flops_lib.matmul_flops("cpu", dtype, repeats=20) / shares
+  out = {dtype: flops_lib.matmul_flops("cpu", dtype, repeats=repeats) / shares
          for dtype in ("bfloat16", "float32")}
   return {k: max(v, (previous or {}).get(k, 0.0)) for k, v in out.items()}
+
+
+def memory_bandwidth(device: jax.Device, mib: int = 128, repeats: int = 5) -> float:
+  """Bytes/s of a jitted elementwise pass over a `mib` MiB float32 array on `device`
+  (read + write), the fastest of `repeats`: a CPU's measured stand-in for HBM bandwidth
+  in the roofline, shared like the peak by the local CPU devices."""
+  x = jax.device_put(jnp.zeros((mib * 2**18,), jnp.float32), device)
+  add = jax.jit(lambda a: a + 1.0)
+  jax.block_until_ready(add(x))
+  _, times = median_seconds(lambda: jax.block_until_ready(add(x)), steps=repeats, warmup=0)
+  return 2 * x.nbytes / min(times) / len(jax.local_devices(backend=device.platform))
+
+
+def step_roofline(bench: "TrainBench", device: jax.Device, peaks: dict[str, float]
+                  ) -> Optional[dict[str, Any]]:
+  """The roofline bound of bench's compiled step on `device` (plan/roofline.py): a GPU's
+  table figures; on a CPU the measured peak and memory_bandwidth (collectives at the
+  same bandwidth). None for an accelerator that the table does not know."""
+  dtype = bench.model.config.dtype
+  chip = roofline_lib.chip_of_device(device, dtype)
+  if chip is None and device.platform == "cpu":
+    bandwidth = memory_bandwidth(device)
+    chip = roofline_lib.Chip(f"{device.device_kind} (measured)", peaks[dtype], bandwidth,
+                             bandwidth)
+  if chip is None:
+    return None
+  n = jax.device_count()
+  bound = roofline_lib.roofline(bench.compiled, chip, num_devices=n)
+  bound = roofline_lib.with_hidden_attention_flops(bound, bench.model, bench.batch_shapes,
+                                                   bench.flops_per_step, n)
+  keep = ("chip", "seconds", "overlap_seconds", "compute_seconds", "memory_seconds",
+          "collective_seconds", "mfu_ceiling", "uncounted_kernels", "extra_flops_source",
+          "slowest")
+  return {k: bound.get(k) for k in keep}
 
 
 def peak_memory_bytes(device: jax.Device) -> Optional[int]:
@@ -207,11 +242,14 @@ def _decode_step(model, params, batch_shapes: dict[str, tuple]):
 
 def bench_model(config: ml_collections.ConfigDict, *, steps: int = 10, warmup: int = 2,
                 decode: bool = True, peaks: Optional[dict[str, float]] = None,
-                profile_dir: Optional[str] = None, profile_steps: int = 3) -> dict:
+                profile_dir: Optional[str] = None, profile_steps: int = 3,
+                peak_repeats: int = 20) -> dict:
   """The benchmark JSON of config's train step (and decode step where the family decodes).
 
   peaks: {'bfloat16', 'float32'} FLOP/s per device (default: peak_flops; on CPU measured
-  before and after the timed steps).
+  before and after the timed steps, the fastest of `peak_repeats` matmuls each time).
+  result['train']['roofline'] is the step's roofline bound (step_roofline) and
+  'measured_over_bound' the median step over its seconds.
   profile_dir: after the timed steps, `profile_steps` more run under jax.profiler into
   this folder (TensorBoard / Perfetto; the step's HLO beside it as train_step.hlo.txt),
   and result['profile'] is their device time per category (bench/profile.py).
@@ -223,11 +261,12 @@ def bench_model(config: ml_collections.ConfigDict, *, steps: int = 10, warmup: i
   disable_compilation_cache()
   device = jax.devices()[0]
   measure = peaks is None
-  peaks = peaks or peak_flops(device)
+  peaks = peaks or peak_flops(device, repeats=peak_repeats)
   bench = TrainBench(config)
   seconds, times = median_seconds(bench.step, steps=steps, warmup=warmup)
   if measure:  # once before and once after the timed steps: the higher ceiling
-    peaks = peak_flops(device, peaks)
+    peaks = peak_flops(device, peaks, repeats=peak_repeats)
+  bound = step_roofline(bench, device, peaks)
   timed_losses = list(bench.losses)
   profile = _profile(bench, profile_dir, profile_steps) if profile_dir is not None else None
   cfg = bench.model.config
@@ -254,6 +293,9 @@ def bench_model(config: ml_collections.ConfigDict, *, steps: int = 10, warmup: i
           "loss": float(bench.last_metrics["loss"]),
           "losses": [round(x, 5) for x in timed_losses],
           "xla_memory_per_device": xla_memory(bench.compiled),
+          "roofline": bound,
+          "measured_over_bound": round(seconds / bound["seconds"], 3)
+                                 if bound and bound["seconds"] else None,
       },
   }
   if profile is not None:

@@ -125,10 +125,11 @@ def _figures(timed: dict, tokens: int, flops: Optional[float] = None,
 
 def bench_peer(config: ml_collections.ConfigDict, *, steps: int = 10, rounds: int = 3,
                warmup: int = 2, compile: str = "both",
-               peaks: Optional[dict[str, float]] = None) -> dict:
+               peaks: Optional[dict[str, float]] = None, peak_repeats: int = 20) -> dict:
   """{ours, torch_eager, torch_compiled: {step_seconds_median, tokens_per_second,
   model_tflops_per_second, mfu, ...}, ratios, ...} for config's model (see the module
-  docstring). peaks: {'bfloat16', 'float32'} FLOP/s per JAX device (default peak_flops)."""
+  docstring). peaks: {'bfloat16', 'float32'} FLOP/s per JAX device (default peak_flops,
+  of `peak_repeats` matmuls on a CPU)."""
   if compile not in COMPILE_MODES:
     raise ValueError(f"compile={compile!r}: expected one of {sorted(COMPILE_MODES)}")
   _check_counts(steps, rounds, warmup)
@@ -146,7 +147,7 @@ def bench_peer(config: ml_collections.ConfigDict, *, steps: int = 10, rounds: in
                                            compiled=mode == "compiled")
   timed = time_runners(runners, steps=steps, rounds=rounds, warmup=warmup)
   device = jax.devices()[0]
-  peaks = peaks or peak_flops(device)
+  peaks = peaks or peak_flops(device, repeats=peak_repeats)
   some_torch = runners[f"torch_{COMPILE_MODES[compile][0]}"]
   cuda = some_torch.device == "cuda"
   # Torch's devices: the whole CPU (all of JAX's CPU devices' shares) or one GPU.

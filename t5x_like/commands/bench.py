@@ -71,6 +71,8 @@ def _flags(argv: list[str]) -> flags.FlagValues:
                       flag_values=fv)
   flags.DEFINE_integer("profile_steps", 3, "model: steps to profile with --profile",
                        flag_values=fv)
+  flags.DEFINE_integer("peak_repeats", 20, "model, peer on a CPU: matmuls timed for the"
+                       " measured peak FLOP/s (the fastest counts)", flag_values=fv)
   return fv
 
 
@@ -104,13 +106,14 @@ def main(argv: list[str]) -> int:
       profile_dir = _profile_dir(fv.profile) if fv.profile else None
       result = model_bench.bench_model(fv.config, steps=fv.steps, warmup=fv.warmup,
                                         decode=fv.decode, profile_dir=profile_dir,
-                                        profile_steps=fv.profile_steps)
+                                        profile_steps=fv.profile_steps,
+                                        peak_repeats=fv.peak_repeats)
     elif what == "compile":
       result = model_bench.bench_compile(fv.config, [int(n) for n in fv.layers])
     elif what == "peer":
       from t5x_like.bench.peers import bench_peer
       result = bench_peer(fv.config, steps=fv.steps, rounds=fv.rounds, warmup=fv.warmup,
-                          compile=fv.compile)
+                          compile=fv.compile, peak_repeats=fv.peak_repeats)
     else:
       from t5x_like.bench.peers import bench_bert_vs_torch
       result = bench_bert_vs_torch(fv.config, steps=fv.steps, rounds=fv.rounds,
