@@ -1,53 +1,48 @@
-"""launch/gpu_bench.sh: the commands a GPU session runs (DRY_RUN=1; nothing runs)."""
+"""launch/gpu_bench.sh: the wrapper that runs `t5x-like bench gpu` on a GPU host (the
+suite itself: tests/test_bench_gpu.py; its rehearsal through this script: slow tier)."""
 
 import os
 import subprocess
-
-import pytest
+import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "launch", "gpu_bench.sh")
 
 
-def _run(env_extra, *args):
-  env = dict(os.environ, DRY_RUN="1", T5X="t5x-like", **env_extra)
+def _run(env_extra, *args, cwd=None):
+  env = {k: v for k, v in os.environ.items() if k not in ("OUT", "WHEELS", "PYTHON")}
+  env.update({"PYTHON": sys.executable, **env_extra})
   return subprocess.run(["bash", SCRIPT, *args], capture_output=True, text=True, env=env,
-                        timeout=60)
+                        timeout=120, cwd=cwd)
 
 
-def test_dry_run_prints_each_step_with_its_profile_and_environment(tmp_path):
-  out = str(tmp_path / "o")
-  run = _run({"OUT": out, "STEPS": "bert_auto gpt2_flags_none gpt2_full_logits"})
+def test_list_prints_the_steps_in_order_from_anywhere(tmp_path):
+  run = _run({}, "--list", cwd=tmp_path)
   assert run.returncode == 0, run.stderr
-  lines = [l for l in run.stdout.splitlines() if l.startswith("+ ")]
-  assert len(lines) == 3
-  assert f"--profile {out}/bert_auto.prof > {out}/bert_auto.json 2> {out}/bert_auto.log" in lines[0]
-  assert "configs/bert_pretrain.py:large" in lines[0]
-  assert lines[1].startswith("+ env T5X_LIKE_GPU_XLA_FLAGS=none timeout 540 t5x-like bench model")
-  assert "--config.model.overrides.loss_chunk_rows=0" in lines[2]
-  assert not os.path.exists(out)  # a dry run writes nothing
+  names = [l.split()[0] for l in run.stdout.splitlines() if not l.startswith(" ")]
+  assert names[:5] == ["peer_gpt2", "peer_bert", "bert", "gpt2", "t5"]
+  assert "resume" in names and "compare" in names
 
 
-def test_every_listed_step_is_a_known_command():
-  listed = _run({}, "list")
-  assert listed.returncode == 0
-  names = [l.split("|")[0] for l in listed.stdout.splitlines()]
-  assert {"bert_auto", "bert_explicit", "gpt2", "t5", "peer_gpt2", "peer_bert"} <= set(names)
-  for line in listed.stdout.splitlines():
-    name, _, command = line.split("|")
-    if name in ("resume_pallas_gpu", "compare"):  # functions of the script
-      continue
-    assert command.split()[0] == "bench" and command.split()[1] in {"model", "peer", "attention"}
-
-
-def test_the_resume_check_kills_at_a_save_and_compares_the_losses():
-  text = open(SCRIPT).read()
-  assert "T5X_LIKE_FAILPOINT=after_save@8" in text and "--config.model.attention_impl=pallas_gpu" in text
-
-
-@pytest.mark.parametrize("args,env", [((), {"STEPS": "bert_auto nope"}), (("fly",), {})])
-def test_unknown_step_or_subcommand_exits_2_before_running_anything(args, env, tmp_path):
-  run = _run({"OUT": str(tmp_path / "o"), **env}, *args)
+def test_without_out_it_exits_2_before_installing_or_running_anything(tmp_path):
+  run = _run({}, cwd=tmp_path)
   assert run.returncode == 2
-  assert "unknown" in run.stderr.splitlines()[0]
-  assert run.stdout == ""
+  assert run.stderr.splitlines()[0] == ("gpu_bench.sh: OUT is required: an empty folder"
+                                        " for the results")
+  assert os.listdir(tmp_path) == []
+
+
+def test_a_host_missing_modules_without_wheels_is_told_where_they_go(tmp_path):
+  """A Python without the project's small dependencies (here: this one without its
+  site-packages, -S) and no carried wheels: one line naming the missing modules and
+  the wheel folder; nothing written."""
+  bare = tmp_path / "bare_python"
+  bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+  bare.chmod(0o755)
+  run = _run({"PYTHON": str(bare), "OUT": str(tmp_path / "out"),
+              "WHEELS": str(tmp_path / "no_wheels")}, cwd=tmp_path)
+  assert run.returncode == 1
+  line = run.stderr.strip().splitlines()[-1]
+  assert "missing modules (grain array_record portpicker ml_collections tensorboardX)" in line
+  assert str(tmp_path / "no_wheels") in line
+  assert not (tmp_path / "out").exists()
