@@ -17,7 +17,7 @@ trap 'rm -f "$out"' EXIT
 step "every command answers --help"
 for cmd in train plan infer finetune finetune-suite models vocab "vocab train" task "task books" bench \
            "bench data" "bench model" "bench compile" "bench peer" "bench bert-vs-torch" \
-           "bench attention" "data prepare"; do
+           "bench attention" "bench gpu" "data prepare"; do
   # shellcheck disable=SC2086
   $T $cmd --help > "$out"
 done
