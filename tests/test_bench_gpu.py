@@ -270,6 +270,9 @@ def test_the_rehearsal_runs_every_step_on_the_cpu_within_the_file_limits(tmp_pat
   assert steps["bert_explicit"]["figures"]["kernels"] == ["explicit"]
   assert steps["compare"]["figures"]["passed"], steps["compare"]["figures"]["verdict"]
   assert steps["resume"]["figures"]["passed"], steps["resume"]["figures"]["verdict"]
+  # The full-logits override reaches the model, and the loss is the chunked loss's.
+  assert steps["gpt2_full_logits"]["result"]["loss_chunk_rows"] == 0
+  assert steps["gpt2"]["result"]["loss_chunk_rows"] > 0
   assert steps["gpt2_full_logits"]["result"]["train"]["losses"][0] == pytest.approx(
       steps["gpt2"]["result"]["train"]["losses"][0], rel=1e-4)
   assert results["traces"]["file"] == "traces.tar.gz"

@@ -93,7 +93,7 @@ def _bench_model(name: str, recipe: str, title: str, extra: tuple[str, ...] = ()
                  configs: str, rehearse: bool, profile: bool = True,
                  env: tuple[tuple[str, str], ...] = (), timeout: int = 150) -> Step:
   r = RECIPES[recipe]
-  counts = (("--steps", "3", "--warmup", "1", "--peak_repeats", "3") if rehearse
+  counts = (("--steps", "3", "--warmup", "1", "--peak_repeats", "1") if rehearse
             else ("--steps", "20", "--warmup", "3"))
   args = ("bench", "model", *r.config_flag(configs, rehearse), *r.flags, *extra,
           *(r.smoke_flags if rehearse else ()), *counts, "--nodecode")
@@ -105,7 +105,7 @@ def _bench_peer(name: str, recipe: str, *, configs: str, rehearse: bool,
                 fallback_batch: Optional[int] = None, timeout: int = 200) -> Step:
   r = RECIPES[recipe]
   # torch.compile takes minutes on a CPU: the rehearsal's small peer runs eager.
-  counts = (("--steps", "2", "--warmup", "1", "--compile", "eager", "--peak_repeats", "3")
+  counts = (("--steps", "2", "--warmup", "1", "--compile", "eager", "--peak_repeats", "1")
             if rehearse
             else ("--steps", "20", "--warmup", "3", "--compile", "compiled"))
   args = ("bench", "peer", *r.config_flag(configs, rehearse), *r.flags,

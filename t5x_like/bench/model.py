@@ -274,6 +274,7 @@ def bench_model(config: ml_collections.ConfigDict, *, steps: int = 10, warmup: i
       "model": config.model.preset, "family": cfg.family, "dtype": cfg.dtype,
       "layers": cfg.num_layers, "d_model": cfg.d_model, "params": bench.model.num_params(),
       "scan_layers": cfg.scan_layers, "remat_policy": cfg.remat_policy,
+      "loss_chunk_rows": cfg.loss_chunk_rows,
       "remat_auto": bench.remat.to_json() if bench.remat else None,
       "attention_impl": cfg.attention_impl, "attention_kernels": bench.attention_kernels,
       "batch_shapes": {k: list(v) for k, v in bench.batch_shapes.items()},
