@@ -101,6 +101,7 @@ def _run(tmp_path, monkeypatch, answers=_answers, **kw):
     fakes.append(FakeRun(clock, answers))
     return fakes[-1]
   monkeypatch.setattr(gpu_suite, "StepRun", make)
+  kw.setdefault("jobs", 1)  # one at a time: the fake clock is then exact
   results = gpu_suite.run_suite(str(tmp_path / "out"), rehearse=True, configs=CONFIGS,
                                 clock=clock, commit="abc1234", **kw)
   return results, fakes[0]
@@ -175,6 +176,28 @@ def test_a_step_past_its_timeout_is_recorded_and_the_next_one_runs(tmp_path, mon
   results, _ = _run(tmp_path, monkeypatch, slow_gpt2, only=["gpt2", "t5"])
   assert [(s["name"], s["status"]) for s in results["steps"]] == [("gpt2", "timeout"),
                                                                    ("t5", "ok")]
+
+
+def test_two_jobs_run_side_by_side_and_the_results_keep_the_suite_order(tmp_path,
+                                                                      monkeypatch):
+  import threading
+  import time
+  running, most = set(), [0]
+  lock = threading.Lock()
+
+  def answers(label, args, env):
+    with lock:
+      running.add(label)
+      most[0] = max(most[0], len(running))
+    time.sleep(0.3 if label.startswith("bert") else 0.05)
+    with lock:
+      running.discard(label)
+    return _answers(label, args, env)
+  only = ["peer_gpt2", "bert", "gpt2", "bert_explicit", "compare", "attention"]
+  results, _ = _run(tmp_path, monkeypatch, answers, only=only, jobs=2)
+  assert most[0] == 2
+  assert [s["name"] for s in results["steps"]] == only
+  assert all(s["status"] == "ok" for s in results["steps"])  # compare waited for both
 
 
 def test_the_fused_kernels_losses_are_held_to_the_explicit_ones():

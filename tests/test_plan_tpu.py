@@ -8,6 +8,7 @@ compiles each family's smoke config for a v5e-4 slice (v5e:2x2).
 
 import json
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -281,6 +282,92 @@ def test_search_reads_the_compilers_refusals_for_hbm():
   assert fit.over_memory(ValueError("shapes do not match")) is None
 
 
+# libtpu's refusal of GPT-2 124M's train step at 128 rows of 1024 per device on a v6e-4
+GPT2_V6E4_REFUSAL = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory"
+                     " required for HLO temporaries (60.71G) exceeds available HBM (31.25G)")
+
+
+def test_search_below_halves_a_refused_batch_until_the_compiler_accepts_one():
+  """The compiler refuses over 40 rows (temporaries 10 bytes a row against 400 allowed)
+  and compiles 100 + 10 x rows below: from a refused 128, halving compiles 64 (refused)
+  and 32 (fits); refining goes on from the line through (32, 420) and (64, 640)."""
+  calls = []
+
+  def compile_rows(rows):
+    calls.append(rows)
+    if rows > 40:
+      raise fit.over_memory(RuntimeError(
+          f"RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for"
+          f" HLO temporaries ({10 * rows / 1024:.4f}K) exceeds available HBM (0.4883K)"))
+    return 100 + 10 * rows
+
+  refusal = fit.over_memory(RuntimeError(GPT2_V6E4_REFUSAL))
+  assert (refusal.required_bytes, refusal.available_bytes, refusal.required_for) == (
+      int(60.71 * (1 << 30)), int(31.25 * (1 << 30)), "HLO temporaries")
+  first = fit.over_memory(RuntimeError(GPT2_V6E4_REFUSAL.replace("60.71G", "1.25K")))
+  halved = fit.search_below(compile_rows, 128, first, memory_bytes=1000)
+  assert calls == [64, 32] and halved["halved"] and halved["limit_bytes"] == 500
+  assert (halved["rows"], halved["total_bytes"], halved["next_over"]) == (32, 420, 64)
+  assert [(t["rows"], t["fits"], t["refused"]) for t in halved["tried"]] == [
+      (128, False, True), (64, False, True), (32, True, False)]
+  assert halved["compiles"] == 2  # beyond the plan's own compile of 128
+  calls.clear()
+  refined = fit.search_below(compile_rows, 128, first, memory_bytes=1000, refine=True)
+  assert calls[:2] == [64, 32] and not refined["halved"]
+  assert refined["rows"] == max(r for r in calls if r <= 40) and refined["rows"] > 32
+  assert [t["rows"] for t in refined["tried"]] == [128] + calls
+  calls.clear()
+  over = fit.search_below(lambda rows: compile_rows(rows + 100), 128, first, memory_bytes=1000)
+  assert over["rows"] == 0 and [t["rows"] for t in over["tried"]] == [128, 64, 32, 16, 8,
+                                                                        4, 2, 1]
+
+
+def test_plan_reports_a_refused_compile_as_does_not_fit_with_a_batch_that_fits(
+    capsys, monkeypatch):
+  """The default tier's twin of the TPU test below: `plan --compile=yes` of GPT-2 124M on
+  a v6e-4 whose compile (a fake here: libtpu's refusal over 40 rows per device, 2 GiB +
+  0.5 GiB a row below) refuses the configured 128 rows: exit 0, the compiler's figures
+  and the halved batch that compiled, in the text and the JSON."""
+  monkeypatch.setattr(tpu, "slice_devices", lambda topology: jax.devices("cpu")[:4])
+  from t5x_like.plan import compiled
+  from t5x_like.plan.text import format_plan
+  asked = []
+
+  def compile_train_step(model, optimizer, schedule, mesh, rules, batch_shapes,
+                         microbatches=1, eval_step=False, chip=None):
+    rows = batch_shapes["decoder_input_tokens"][0] // mesh.size
+    asked.append(rows)
+    if rows > 40:
+      raise jax.errors.JaxRuntimeError(GPT2_V6E4_REFUSAL.replace(
+          "60.71G", f"{60.71 * rows / 128:.2f}G"))
+    return {"memory": {"total_bytes": (4 + rows) << 29}}
+
+  monkeypatch.setattr(compiled, "compile_train_step", compile_train_step)
+  assert cli.main(["plan", "--config", f"{CONFIGS / 'gpt2_pretrain.py'}:124m", "--topology",
+                   "v6e-4", "--compile=yes", "--json"]) == 0
+  plan = json.loads(capsys.readouterr().out)
+  assert asked == [128, 64, 32]
+  phase, = plan["phases"]
+  assert phase["xla"] is None and plan["total"]["fits"] is False
+  refused = phase["xla_refused"]
+  assert (refused["required_bytes"], refused["available_bytes"], refused["required_for"]) \
+      == (int(60.71 * (1 << 30)), int(31.25 * (1 << 30)), "HLO temporaries")
+  found = phase["fit_batch"]
+  assert (found["rows"], found["global_batch"], found["total_bytes"]) == (32, 128, 18 << 30)
+  assert (found["configured_rows"], found["next_over"], found["halved"]) == (128, 64, True)
+  out = format_plan(plan)  # the text the command prints without --json
+  assert ("  XLA: DOES NOT FIT: the compiler refuses the train step at 128 rows per device"
+          " (it needs 60.71 GiB for HLO temporaries of the 31.25 GiB of HBM it allows;"
+          " RESOURCE_EXHAUSTED)\n"
+          "  batch that fits (halving the refused batch until the train step compiles;"
+          " --fit_batch searches on below 64): 32 rows per device (global 128), train step"
+          " 18.00 GiB of 32.00 GiB\n") in out
+  assert "tried 128 -> 60.71 GiB (refused: over), 64 -> 30.36 GiB (refused: over), 32 ->" \
+         " 18.00 GiB" in out
+  total, = [line for line in out.splitlines() if line.startswith("total: ")]
+  assert total.endswith("per device of 32.00 GiB: DOES NOT FIT")
+
+
 @pytest.mark.tpu
 def test_fit_batch_stops_below_an_over_batch_by_the_compilers_numbers(monkeypatch):
   """The device's memory set just under the configured batch's train step (32 rows per
@@ -311,6 +398,31 @@ def test_fit_batch_stops_below_an_over_batch_by_the_compilers_numbers(monkeypatc
   assert found["compiles"] == 2 and found["predicted_rows"] is not None
   assert "largest batch that fits (by compiling the train step): " \
          f"{found['rows']} rows per device" in format_plan(plan)
+
+
+@pytest.mark.tpu
+def test_plan_of_gpt2_on_a_v6e_4_says_it_does_not_fit_and_which_batch_does(capsys):
+  """`t5x-like plan --config configs/gpt2_pretrain.py:124m --topology v6e-4
+  --compile=yes`: libtpu refuses 128 rows of 1024 per device for HBM (quickly), 64 too,
+  and compiles 32 (minutes: about 5 in all on 2 cores). The plan says so, exit 0."""
+  pytest.importorskip("libtpu")
+  rc = cli.main(["plan", "--config", f"{CONFIGS / 'gpt2_pretrain.py'}:124m", "--topology",
+                 "v6e-4", "--compile=yes"])
+  out = capsys.readouterr().out
+  assert rc == 0
+  refused = re.search(r"XLA: DOES NOT FIT: the compiler refuses the train step at 128 rows"
+                      r" per device \(it needs ([\d.]+) GiB for HLO temporaries of the"
+                      r" ([\d.]+) GiB of HBM it allows; RESOURCE_EXHAUSTED\)", out)
+  assert refused, out
+  needs, allowed = map(float, refused.groups())
+  assert allowed == 31.25 and needs > allowed
+  found = re.search(r"batch that fits \(halving the refused batch until the train step"
+                    r" compiles; --fit_batch searches on below 64\): 32 rows per device"
+                    r" \(global 128\), train step ([\d.]+) GiB of 32.00 GiB", out)
+  assert found and float(found.group(1)) < allowed, out
+  assert f"tried 128 -> {needs:.2f} GiB (refused: over), 64 ->" in out
+  total, = [line for line in out.splitlines() if line.startswith("total: ")]
+  assert total.endswith("per device of 32.00 GiB: DOES NOT FIT")
 
 
 def _recipe_row(**overrides) -> dict:

@@ -34,7 +34,9 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
+from concurrent import futures
 from typing import Callable, Optional, Sequence
 
 from t5x_like.bench import gpu_report
@@ -52,11 +54,13 @@ _OOM_MARKS = ("RESOURCE_EXHAUSTED", "out of memory", "OutOfMemoryError")
 
 
 class StepRun:
-  """One `t5x-like` process: argv after `t5x-like`, its extra env, a timeout."""
+  """One `t5x-like` process: argv after `t5x-like`, its extra env, a timeout. Each call
+  writes its command and stderr to the log as one block (steps may run side by side)."""
 
   def __init__(self, python: str, log: io.TextIOBase):
     self.python = python
     self.log = log
+    self.lock = threading.Lock()
 
   def __call__(self, args: Sequence[str], env: dict[str, str], timeout: float,
                label: str) -> tuple[Optional[int], str, str, float]:
@@ -68,8 +72,6 @@ class StepRun:
         value = " ".join(filter(None, (full_env.get("XLA_FLAGS", ""), value)))
       full_env[key] = value
     shown = " ".join(f"{k}={v}" for k, v in env.items())
-    self.log.write(f"\n==== {label}: {shown + ' ' if shown else ''}t5x-like {' '.join(args)}\n")
-    self.log.flush()
     start = time.monotonic()
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=full_env,
@@ -82,10 +84,12 @@ class StepRun:
       out, err = proc.communicate()
       status = None
     seconds = time.monotonic() - start
-    self.log.write(err)
-    self.log.write(f"==== {label}: {'timed out' if status is None else f'exit {status}'}"
-                   f" after {seconds:.1f} s\n")
-    self.log.flush()
+    with self.lock:
+      self.log.write(f"\n==== {label}: {shown + ' ' if shown else ''}t5x-like"
+                     f" {' '.join(args)}\n{err}")
+      self.log.write(f"==== {label}: {'timed out' if status is None else f'exit {status}'}"
+                     f" after {seconds:.1f} s\n")
+      self.log.flush()
     return status, out, err, seconds
 
 
@@ -157,7 +161,8 @@ def run_bench_step(step: Step, run: StepRun, timeout: float, scratch: str) -> di
 
 
 def run_compare_step(step: Step, records: dict[str, dict]) -> dict:
-  """The fused kernel's losses against the explicit kernel's (gpu_report.compare_losses)."""
+  """The fused kernel's losses against the explicit kernel's (gpu_report.compare_losses)
+  of the finished steps `records`."""
   missing = [n for n in step.uses if records.get(n, {}).get("status") != "ok"]
   if missing:
     return {"status": "skipped", "reason": f"needs {', '.join(missing)} (not ok)"}
@@ -256,9 +261,16 @@ def select_steps(steps: list[Step], only: Sequence[str]) -> list[Step]:
 
 def run_suite(out_dir: str, *, rehearse: bool = False, budget: float = 540,
               only: Sequence[str] = (), configs: str = "configs", commit: str = "",
-              python: str = sys.executable,
+              python: str = sys.executable, jobs: Optional[int] = None,
               clock: Callable[[], float] = time.monotonic) -> dict:
-  """Run the suite into out_dir (module docstring); the results.json dict."""
+  """Run the suite into out_dir (module docstring); the results.json dict.
+
+  jobs: steps run side by side, started in the suite's order (default: 1 on a GPU,
+  whose figures need it alone; 2 for the rehearsal, whose figures are not timings:
+  XLA compiles on one core, so two steps halve the wall time on two cores)."""
+  jobs = jobs or (2 if rehearse else 1)
+  if jobs < 1:
+    raise UserError(f"--jobs={jobs}: give 1 or more (0: the default)")
   if budget < MIN_STEP_SECONDS:
     raise UserError(f"--budget={budget}: give at least {MIN_STEP_SECONDS} seconds")
   if not os.path.isdir(configs):
@@ -274,32 +286,43 @@ def run_suite(out_dir: str, *, rehearse: bool = False, budget: float = 540,
              "elapsed_seconds": 0.0, "environment": gpu_report.host_environment(),
              "steps": [], "traces": {"file": None, "note": "not packed yet"}}
   records: dict[str, dict] = {}
+  done: dict[str, futures.Future] = {}
+  lock = threading.Lock()
 
   def save() -> None:
-    results["elapsed_seconds"] = round(clock() - start, 1)
-    _write_atomic(os.path.join(out_dir, "results.json"), json.dumps(results, indent=1))
-    _write_atomic(os.path.join(out_dir, "summary.md"), gpu_report.summary_markdown(results))
+    with lock:
+      results["steps"] = [records[s.name] for s in steps if s.name in records]
+      gpu_report.fill_environment(results)
+      results["elapsed_seconds"] = round(clock() - start, 1)
+      _write_atomic(os.path.join(out_dir, "results.json"), json.dumps(results, indent=1))
+      _write_atomic(os.path.join(out_dir, "summary.md"),
+                    gpu_report.summary_markdown(results))
+
+  def one(step: Step, run: StepRun) -> None:
+    if step.kind == "compare":  # after the steps it reads (started before it)
+      futures.wait([done[n] for n in step.uses if n in done])
+    left = budget - RESERVE_SECONDS - (clock() - start)
+    if step.kind != "compare" and left < MIN_STEP_SECONDS:
+      record = {"status": "skipped", "reason": f"budget: {max(left, 0):.0f} s left"}
+    elif step.kind == "bench":
+      record = run_bench_step(step, run, min(step.timeout, left), scratch)
+    elif step.kind == "compare":
+      record = run_compare_step(step, records)
+    else:
+      record = run_resume_step(step, run, min(step.timeout, left), scratch, rehearse)
+    records[step.name] = {"name": step.name, "title": step.title, "kind": step.kind,
+                          "timeout_seconds": step.timeout, **record}
+    print(gpu_report.step_line(records[step.name]), file=sys.stderr, flush=True)
+    save()
 
   try:
-    with open(os.path.join(out_dir, "log.txt"), "w") as log:
+    with open(os.path.join(out_dir, "log.txt"), "w") as log, \
+         futures.ThreadPoolExecutor(max_workers=jobs) as pool:
       run = StepRun(python, log)
-      for step in steps:
-        left = budget - RESERVE_SECONDS - (clock() - start)
-        base = {"name": step.name, "title": step.title, "kind": step.kind,
-                "timeout_seconds": step.timeout}
-        if step.kind != "compare" and left < MIN_STEP_SECONDS:
-          record = {"status": "skipped", "reason": f"budget: {max(left, 0):.0f} s left"}
-        elif step.kind == "bench":
-          record = run_bench_step(step, run, min(step.timeout, left), scratch)
-        elif step.kind == "compare":
-          record = run_compare_step(step, records)
-        else:
-          record = run_resume_step(step, run, min(step.timeout, left), scratch, rehearse)
-        records[step.name] = {**base, **record}
-        results["steps"].append(records[step.name])
-        gpu_report.fill_environment(results)
-        print(gpu_report.step_line(records[step.name]), file=sys.stderr, flush=True)
-        save()
+      for step in steps:  # a FIFO pool: a compare's inputs start before it
+        done[step.name] = pool.submit(one, step, run)
+      for future in done.values():
+        future.result()  # a bug in the driver stops it here, with what is saved
     results["traces"] = pack_traces(scratch, out_dir)
   finally:
     shutil.rmtree(scratch, ignore_errors=True)

@@ -224,6 +224,8 @@ def _gpu_flags(argv: list[str]) -> flags.FlagValues:
                       flag_values=fv)
   flags.DEFINE_string("commit", "", "the commit to record (default: git's, where the"
                       " tree is a checkout)", flag_values=fv)
+  flags.DEFINE_integer("jobs", 0, "steps run side by side (0: 1 on a GPU, 2 with"
+                       " --rehearse)", flag_values=fv)
   flags.DEFINE_bool("list", False, "print the steps in order and exit", flag_values=fv)
   return fv
 
@@ -242,7 +244,8 @@ def _bench_gpu(argv: list[str]) -> int:
   if not fv.out:
     raise FlagError("--out is required (an empty folder for the results)")
   results = gpu_suite.run_suite(fv.out, rehearse=fv.rehearse, budget=fv.budget,
-                                only=fv.only, configs=fv.configs, commit=fv.commit)
+                                only=fv.only, configs=fv.configs, commit=fv.commit,
+                                jobs=fv.jobs or None)
   with open(os.path.join(fv.out, "summary.md")) as f:
     print(f.read(), end="")
   bad = [s["name"] for s in results["steps"] if s["status"] in ("failed", "timeout")]

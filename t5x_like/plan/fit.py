@@ -12,8 +12,10 @@ or half of them), predicts r* = floor((memory - a) / b) and compiles r* to confi
 stepping down 10% when it does not fit, or, when it fits with over 5% of the memory
 left, predicting again from the line through the two largest fits (at most two
 confirmations). A program over HBM may also be refused by libtpu's compiler
-(RESOURCE_EXHAUSTED): that counts as does-not-fit. Only the train
-step is compiled: it holds the optimizer state and the backward pass, so it is the
+(RESOURCE_EXHAUSTED): that counts as does-not-fit, and when it refuses the configured
+batch itself, search_below halves it until a size compiles and searches up from there
+(plan --compile=yes on a slice too small for the recipe). Only the train step is
+compiled: it holds the optimizer state and the backward pass, so it is the
 larger of the two.
 """
 
@@ -42,9 +44,14 @@ class OverMemory(Exception):
   """
 
   def __init__(self, message: str, required_bytes: Optional[int],
-               available_bytes: Optional[int]):
+               available_bytes: Optional[int], required_for: str = "the program"):
     super().__init__(message)
     self.required_bytes, self.available_bytes = required_bytes, available_bytes
+    self.required_for = required_for  # 'the program' or 'HLO temporaries' (a lower bound)
+
+  def to_json(self) -> dict:
+    return {"message": str(self), "required_bytes": self.required_bytes,
+            "required_for": self.required_for, "available_bytes": self.available_bytes}
 
 
 def _size(text: str) -> int:
@@ -67,7 +74,8 @@ def over_memory(error: BaseException) -> Optional[OverMemory]:
                     text)
   found = used or temps
   return OverMemory(text.strip().splitlines()[0], _size(found.group(1)) if found else None,
-                    _size(found.group(2)) if found else None)
+                    _size(found.group(2)) if found else None,
+                    "HLO temporaries" if temps and not used else "the program")
 
 
 def row_step(batch_shards: int, microbatches: int) -> int:
@@ -205,20 +213,79 @@ def search(compile_rows: CompileRows, rows0: int, total0: int, memory_bytes: int
           "limit_bytes": limit[0], "seconds": time.monotonic() - start, "stopped": stopped}
 
 
+def search_below(compile_rows: CompileRows, rows0: int, refusal: OverMemory,
+                 memory_bytes: int, *, step: int = 1, refine: bool = False,
+                 deadline: Optional[float] = None) -> dict:
+  """The largest rows that compile within memory_bytes after the compiler refused rows0.
+
+  Halves rows0 (to a multiple of `step`) until a compile fits: a refusal is quick (10-20
+  s for GPT-2 124M on 2 cores), a program that compiles takes minutes. With refine,
+  then search() from that size with the larger ones as known (the line through the fit
+  and the refusal above it, then at most two confirming compiles). Either way the rows
+  found are ones the compiler accepted. Returns search()'s dict, 'tried' in compile
+  order from rows0, 'halved' True without refine (rows 0 when even `step` rows are over
+  or the deadline came first).
+  """
+  start = time.monotonic()
+  tried = [{"rows": rows0, "total_bytes": refusal.required_bytes, "fits": False,
+            "refused": True}]
+  limit = min(memory_bytes, refusal.available_bytes or memory_bytes)
+  rows, total, stopped = rows0, None, None
+  while total is None:
+    rows = (rows // 2) // step * step
+    if rows < step:
+      break
+    if deadline is not None and time.monotonic() > deadline:
+      stopped = f"time budget spent before compiling {rows} rows"
+      break
+    try:
+      total = compile_rows(rows)
+    except OverMemory as e:
+      tried.append({"rows": rows, "total_bytes": e.required_bytes, "fits": False,
+                    "refused": True})
+      limit = min(limit, e.available_bytes or limit)
+      continue
+    if total > limit:
+      tried.append({"rows": rows, "total_bytes": total, "fits": False, "refused": False})
+      total = None
+  if total is None or not refine:
+    if total is not None:
+      tried.append({"rows": rows, "total_bytes": total, "fits": True, "refused": False})
+    return {"rows": 0 if total is None else rows, "total_bytes": total,
+            "compiles": len(tried) - 1, "predicted_rows": None, "line": None,
+            "next_over": min(t["rows"] for t in tried if not t["fits"]), "tried": tried,
+            "limit_bytes": limit, "seconds": time.monotonic() - start, "stopped": stopped,
+            "halved": True}
+  found = search(compile_rows, rows, total, memory_bytes, step=step, deadline=deadline,
+                 resume={"tried": tried, "limit_bytes": limit})
+  # search() lists its first size (the halving's fit) before the resumed ones
+  first, known = found["tried"][:1], found["tried"][1:len(tried) + 1]
+  found["tried"] = known + first + found["tried"][len(tried) + 1:]
+  found["seconds"], found["halved"] = time.monotonic() - start, False
+  return found
+
+
 def phase_fitter(model, optimizer, schedule, mesh, rules, vocab, memory_bytes: int,
                  deadline: Optional[float] = None,
                  resume: Optional[dict] = None) -> Callable[..., dict]:
   """(phase, total0) -> search()'s result for that phase, where total0 is the compiler's
   total of the train step at the phase's configured batch (make_plan's compile);
-  resume: an earlier search's result to go on from (see search)."""
+  resume: an earlier search's result to go on from (see search). (phase, None, refusal)
+  when the compiler refused the configured batch (OverMemory): search_below()'s, refined
+  by search() when refine."""
   shards = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
 
-  def fit(phase, total0: int) -> dict:
+  def fit(phase, total0: Optional[int], refusal: Optional[OverMemory] = None,
+          refine: bool = True) -> dict:
     batch = int(phase.config.train.batch_size)
     step = row_step(shards, int(phase.config.train.microbatches or 1))
     compile_rows = train_step_compiler(phase, model, optimizer, schedule, mesh, rules, vocab)
-    out = search(compile_rows, batch // shards, total0, memory_bytes, step=step,
-                 deadline=deadline, resume=resume)
+    if refusal is not None:
+      out = search_below(compile_rows, batch // shards, refusal, memory_bytes, step=step,
+                         refine=refine, deadline=deadline)
+    else:
+      out = search(compile_rows, batch // shards, total0, memory_bytes, step=step,
+                   deadline=deadline, resume=resume)
     out["configured_rows"] = batch // shards
     out["global_batch"] = out["rows"] * shards
     return out

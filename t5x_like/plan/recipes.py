@@ -217,7 +217,8 @@ def run_recipe(recipe: Recipe, fit: bool = True, fit_budget_s: float = 20 * 60,
   while True:
     try:
       plan = make_plan(config, topology, compile_step="yes", eval_step=False,
-                       fit_batch=fit, fit_budget_s=fit_budget_s, fit_resume=fit_resume)
+                       fit_batch=fit, fit_budget_s=fit_budget_s, fit_resume=fit_resume,
+                       search_refused=False)  # a refusal: compiled again below
       break
     except Exception as e:  # a row's failure is a finding: keep the others going
       traceback.print_exc()

@@ -93,9 +93,16 @@ def _notes(config, table, mesh_shape: dict, batch_size: int, topology: Topology,
 
 
 def _phase_json(phase: Phase, model, optimizer, schedule, mesh, table, topology: Topology,
-                mfu: float, rules, real_mesh, eval_step: bool = True, fit=None) -> dict:
+                mfu: float, rules, real_mesh, eval_step: bool = True, fit=None,
+                refit=None) -> dict:
   """One phase: shapes, FLOPs, time, memory (and XLA's view when real_mesh is given;
-  with `fit`, fit_lib.phase_fitter's, the largest batch that fits under 'fit_batch')."""
+  with `fit`, fit_lib.phase_fitter's, the largest batch that fits under 'fit_batch').
+
+  A compile the compiler refuses for HBM is the plan's finding, not an error: 'xla' is
+  None, 'xla_refused' what the compiler said (fit.OverMemory.to_json) and, with `refit`
+  (a phase_fitter), 'fit_batch' the largest batch it accepts (fit.search_below); without
+  `refit` the refusal propagates. The search halves the batch until it compiles, and
+  with `fit` (--fit_batch) searches on between that size and twice it."""
   config = phase.config
   mesh_shape = dict(mesh.shape)
   microbatches = int(config.train.microbatches or 1)
@@ -124,10 +131,18 @@ def _phase_json(phase: Phase, model, optimizer, schedule, mesh, table, topology:
   }
   if real_mesh is not None:
     began = time.monotonic()
-    xla = compiled_lib.compile_train_step(model, optimizer, schedule, real_mesh, rules,
-                                          phase.batch_shapes, microbatches,
-                                          eval_step=eval_step,
-                                          chip=roofline_lib.chip_for(topology))
+    try:
+      xla = compiled_lib.compile_train_step(model, optimizer, schedule, real_mesh, rules,
+                                            phase.batch_shapes, microbatches,
+                                            eval_step=eval_step,
+                                            chip=roofline_lib.chip_for(topology))
+    except Exception as e:
+      refusal = fit_lib.over_memory(e)
+      if refusal is None or refit is None:
+        raise
+      out["xla_refused"] = {**refusal.to_json(), "compile_seconds": time.monotonic() - began}
+      out["fit_batch"] = refit(phase, None, refusal, refine=fit is not None)
+      return out
     xla["compile_seconds"] = time.monotonic() - began
     xla["memory_ratio"] = memory.total / max(xla["memory"]["total_bytes"], 1)
     _judge(xla, flops, topology)
@@ -142,6 +157,11 @@ def _phase_json(phase: Phase, model, optimizer, schedule, mesh, table, topology:
     if fit is not None:
       out["fit_batch"] = fit(phase, xla["memory"]["total_bytes"])
   return out
+
+
+def _no_search(phase, total0, refusal, refine) -> None:
+  """A refused phase's batch search where the device's memory is unknown: none."""
+  return None
 
 
 def _roofline(xla: dict, model, phase: Phase, flops: float,
@@ -186,8 +206,8 @@ def _fits(total: int, topology: Topology) -> Optional[bool]:
 
 def _make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: float = 0.4,
               compile_step: str = "auto", eval_step: bool = True, fit_batch: bool = False,
-              fit_budget_s: Optional[float] = None,
-              fit_resume: Optional[dict] = None) -> dict[str, Any]:
+              fit_budget_s: Optional[float] = None, fit_resume: Optional[dict] = None,
+              search_refused: bool = True) -> dict[str, Any]:
   """The plan of `config` on `topology` (see the module docstring).
 
   compile_step: 'auto' compiles the real train and eval steps when the topology's devices
@@ -198,6 +218,9 @@ def _make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: fl
   largest per-device batch whose train step fits (plan/fit.py; needs the compile and the
   device's memory); no compile of the search starts fit_budget_s after this call began;
   fit_resume: an earlier search's result (fit.search) that stopped, to go on from.
+  A phase whose compile the compiler refuses for HBM does not fit: with search_refused
+  the phase says so with the largest batch it accepts (_phase_json), else the refusal
+  propagates (recipes.py handles it itself).
   """
   start = time.monotonic()
   if not 0.0 < mfu <= 1.0:
@@ -239,17 +262,20 @@ def _make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: fl
           m, optimizer, mesh, table.shardings, table.abstract_params, shapes,
           platform=topology.platform, microbatches=int(config.train.microbatches or 1)).total)
   model = model if remat is None else remat_lib.with_policy(model, remat.policy)
-  fit = None
-  if fit_batch:
-    if real_mesh is None or not topology.memory_bytes:
-      raise ValueError(f"--fit_batch on {topology.name} needs the compiled train step"
-                       f" (--compile=yes) and the device's memory")
+  fitter = None
+  if real_mesh is not None and topology.memory_bytes:
     deadline = None if fit_budget_s is None else start + fit_budget_s
-    fit = fit_lib.phase_fitter(model, optimizer, schedule, real_mesh, rules, vocab,
-                               topology.memory_bytes, deadline, fit_resume)
+    fitter = fit_lib.phase_fitter(model, optimizer, schedule, real_mesh, rules, vocab,
+                                  topology.memory_bytes, deadline, fit_resume)
+  if fit_batch and fitter is None:
+    raise ValueError(f"--fit_batch on {topology.name} needs the compiled train step"
+                     f" (--compile=yes) and the device's memory")
 
   planned = [_phase_json(p, model, optimizer, schedule, mesh, table, topology, mfu, rules,
-                         real_mesh, eval_step, fit) for p in phases]
+                         real_mesh, eval_step, fitter if fit_batch else None,
+                         (fitter or _no_search) if search_refused else None)
+             for p in phases]
+  refused = any(p.get("xla_refused") for p in planned)
   mesh_shape = {k: int(v) for k, v in mesh.shape.items()}
   peak = max(p["memory"]["total_bytes"] for p in planned)
   total_flops = sum(p["flops_per_step"] * p["steps"] for p in planned)
@@ -272,7 +298,8 @@ def _make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: fl
                 "seconds": seconds, "days": seconds / 86400,
                 "seconds_at_mfu": seconds_at_mfu,
                 "roofline": all(p["roofline"] is not None for p in planned),
-                "peak_memory_bytes": peak, "fits": _fits(peak, topology)},
+                "peak_memory_bytes": peak,
+                "fits": False if refused else _fits(peak, topology)},
       "compiled": real_mesh is not None,
       "remat_auto": None if remat is None else remat.to_json(),
       "notes": _notes(config, table, mesh_shape, int(config.train.batch_size), topology,

@@ -100,7 +100,20 @@ def _memory(phase: dict, plan: dict) -> list[str]:
   lines.append(row("total", est["total_bytes"]) + f"{of}: {_fits(phase['fits'])}")
   if xla:
     lines += _xla_memory(xla, est)
+  if phase.get("xla_refused"):
+    lines.append(_refused(phase["xla_refused"], est["per_device_batch"]))
   return lines
+
+
+def _refused(refused: dict, rows: int) -> str:
+  """The compiler's refusal of the step for HBM, in its own figures."""
+  need, allowed = refused["required_bytes"], refused["available_bytes"]
+  needs = (f"it needs {human_bytes(need)}"
+           + (" for HLO temporaries" if refused["required_for"] == "HLO temporaries" else "")
+           if need is not None else "it does not say how much it needs")
+  of = f" of the {human_bytes(allowed)} of HBM it allows" if allowed else ""
+  return (f"  XLA: DOES NOT FIT: the compiler refuses the train step at {rows} rows per"
+          f" device ({needs}{of}; RESOURCE_EXHAUSTED)")
 
 
 def _over(xla: dict) -> str:
@@ -233,7 +246,11 @@ def _fit_batch(fit: dict, plan: dict) -> list[str]:
   fitted = (f"; fit {human_bytes(line['a'])} + {human_bytes(line['b'])} x rows predicted"
             f" {fit['predicted_rows']}" if line and fit["predicted_rows"] is not None else "")
   stopped = f"; stopped: {fit['stopped']}" if fit["stopped"] else ""
-  return [f"  largest batch that fits (by compiling the train step): {found}",
+  lead = "largest batch that fits (by compiling the train step)"
+  if fit.get("halved"):  # fit.search_below without refine: the configured batch halved
+    lead = "batch that fits (halving the refused batch until the train step compiles" + (
+        f"; --fit_batch searches on below {fit['next_over']})" if fit["rows"] else ")")
+  return [f"  {lead}: {found}",
           f"    {fit['compiles']} compiles beyond the plan's, {human_seconds(fit['seconds'])}"
           f"{fitted}; tried {tried}{stopped}"]
 
