@@ -219,7 +219,8 @@ def summary_markdown(results: dict) -> str:
            f" {results['started'][:10]}, commit {results.get('commit') or 'unknown'}", "",
            f"Device: {device} ({env.get('backend')}, {env.get('device_count')} device(s));"
            f" jax {env.get('jax')}, jaxlib {env.get('jaxlib')}, torch {env.get('torch')},"
-           f" Python {env.get('python')}; XLA_FLAGS `{env.get('xla_flags') or ''}`."
+           f" Python {env.get('python')}; XLA_FLAGS"
+           f" {'`' + env['xla_flags'] + '`' if env.get('xla_flags') else '(none)'}."
            f" Budget {results['budget_seconds']:.0f} s, used {results['elapsed_seconds']:.0f} s.",
            ""]
   if results["mode"] == "rehearsal":

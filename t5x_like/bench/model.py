@@ -243,13 +243,15 @@ def _decode_step(model, params, batch_shapes: dict[str, tuple]):
 def bench_model(config: ml_collections.ConfigDict, *, steps: int = 10, warmup: int = 2,
                 decode: bool = True, peaks: Optional[dict[str, float]] = None,
                 profile_dir: Optional[str] = None, profile_steps: int = 3,
-                peak_repeats: int = 20) -> dict:
+                peak_repeats: int = 20, compilation_cache: bool = False) -> dict:
   """The benchmark JSON of config's train step (and decode step where the family decodes).
 
   peaks: {'bfloat16', 'float32'} FLOP/s per device (default: peak_flops; on CPU measured
   before and after the timed steps, the fastest of `peak_repeats` matmuls each time).
   result['train']['roofline'] is the step's roofline bound (step_roofline) and
   'measured_over_bound' the median step over its seconds.
+  compilation_cache: keep JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR)
+  on, so that compile_seconds may be a cache hit (a rehearsal's repeated programs).
   profile_dir: after the timed steps, `profile_steps` more run under jax.profiler into
   this folder (TensorBoard / Perfetto; the step's HLO beside it as train_step.hlo.txt),
   and result['profile'] is their device time per category (bench/profile.py).
@@ -258,7 +260,8 @@ def bench_model(config: ml_collections.ConfigDict, *, steps: int = 10, warmup: i
     raise ValueError(f"steps={steps} must be >= 1 and warmup={warmup} >= 0")
   if profile_dir is not None and profile_steps < 1:
     raise ValueError(f"profile_steps={profile_steps} must be >= 1")
-  disable_compilation_cache()
+  if not compilation_cache:
+    disable_compilation_cache()
   device = jax.devices()[0]
   measure = peaks is None
   peaks = peaks or peak_flops(device, repeats=peak_repeats)
@@ -274,7 +277,7 @@ def bench_model(config: ml_collections.ConfigDict, *, steps: int = 10, warmup: i
       "model": config.model.preset, "family": cfg.family, "dtype": cfg.dtype,
       "layers": cfg.num_layers, "d_model": cfg.d_model, "params": bench.model.num_params(),
       "scan_layers": cfg.scan_layers, "remat_policy": cfg.remat_policy,
-      "loss_chunk_rows": cfg.loss_chunk_rows,
+      "loss_chunk_rows": cfg.loss_chunk_rows, "compilation_cache": compilation_cache,
       "remat_auto": bench.remat.to_json() if bench.remat else None,
       "attention_impl": cfg.attention_impl, "attention_kernels": bench.attention_kernels,
       "batch_shapes": {k: list(v) for k, v in bench.batch_shapes.items()},

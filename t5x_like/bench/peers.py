@@ -125,15 +125,17 @@ def _figures(timed: dict, tokens: int, flops: Optional[float] = None,
 
 def bench_peer(config: ml_collections.ConfigDict, *, steps: int = 10, rounds: int = 3,
                warmup: int = 2, compile: str = "both",
-               peaks: Optional[dict[str, float]] = None, peak_repeats: int = 20) -> dict:
+               peaks: Optional[dict[str, float]] = None, peak_repeats: int = 20,
+               compilation_cache: bool = False) -> dict:
   """{ours, torch_eager, torch_compiled: {step_seconds_median, tokens_per_second,
   model_tflops_per_second, mfu, ...}, ratios, ...} for config's model (see the module
   docstring). peaks: {'bfloat16', 'float32'} FLOP/s per JAX device (default peak_flops,
-  of `peak_repeats` matmuls on a CPU)."""
+  of `peak_repeats` matmuls on a CPU); compilation_cache: as bench_model's."""
   if compile not in COMPILE_MODES:
     raise ValueError(f"compile={compile!r}: expected one of {sorted(COMPILE_MODES)}")
   _check_counts(steps, rounds, warmup)
-  disable_compilation_cache()
+  if not compilation_cache:
+    disable_compilation_cache()
   vocab = config_vocab(config)
   peer = peer_for(build_model_from_config(config, vocab.vocab_size))
   batches = host_batches(config, vocab)

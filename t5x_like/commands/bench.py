@@ -73,6 +73,9 @@ def _flags(argv: list[str]) -> flags.FlagValues:
                        flag_values=fv)
   flags.DEFINE_integer("peak_repeats", 20, "model, peer on a CPU: matmuls timed for the"
                        " measured peak FLOP/s (the fastest counts)", flag_values=fv)
+  flags.DEFINE_bool("compilation_cache", False, "model, peer: keep JAX's persistent"
+                    " compilation cache (JAX_COMPILATION_CACHE_DIR) on; compile_seconds may"
+                    " then be a cache hit", flag_values=fv)
   return fv
 
 
@@ -107,13 +110,15 @@ def main(argv: list[str]) -> int:
       result = model_bench.bench_model(fv.config, steps=fv.steps, warmup=fv.warmup,
                                         decode=fv.decode, profile_dir=profile_dir,
                                         profile_steps=fv.profile_steps,
-                                        peak_repeats=fv.peak_repeats)
+                                        peak_repeats=fv.peak_repeats,
+                                        compilation_cache=fv.compilation_cache)
     elif what == "compile":
       result = model_bench.bench_compile(fv.config, [int(n) for n in fv.layers])
     elif what == "peer":
       from t5x_like.bench.peers import bench_peer
       result = bench_peer(fv.config, steps=fv.steps, rounds=fv.rounds, warmup=fv.warmup,
-                          compile=fv.compile, peak_repeats=fv.peak_repeats)
+                          compile=fv.compile, peak_repeats=fv.peak_repeats,
+                          compilation_cache=fv.compilation_cache)
     else:
       from t5x_like.bench.peers import bench_bert_vs_torch
       result = bench_bert_vs_torch(fv.config, steps=fv.steps, rounds=fv.rounds,
