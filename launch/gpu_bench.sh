@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU figure of docs/benchmarks.md in one call on a GPU host: `t5x-like bench gpu`
-# (t5x_like/bench/gpu_suite.py) with what that host lacks installed from carried wheels.
+# Every GPU figure of docs/speed.md in one call on a GPU host: `t5x-like bench gpu`
+# (t5x_like/speed/gpu_suite.py) with what that host lacks installed from carried wheels.
 #
 #   OUT=/tmp/out launch/gpu_bench.sh                  # the call (budget 540 s)
 #   OUT=/tmp/out launch/gpu_bench.sh --rehearse       # the same steps on this CPU
@@ -9,7 +9,7 @@
 # Flags after the script go to `t5x-like bench gpu` (--budget, --only, --rehearse, ...).
 # The host may have jax, torch and transformers but not the project's smaller
 # dependencies: those that do not import are installed from WHEELS (default: .whl in the
-# repository, filled once as docs/benchmarks.md says) into a temporary folder on
+# repository, filled once as docs/speed.md says) into a temporary folder on
 # PYTHONPATH; nothing is installed into the host's Python. The project runs from this
 # checkout (PYTHONPATH), not from an install. OUT ends with at most 4 files:
 # results.json, summary.md, log.txt, traces.tar.gz; the summary is printed too.
@@ -42,7 +42,7 @@ install_missing() {  # install_missing PYTHON: missing modules from WHEELS, on P
   ((${#missing[@]})) || return 0
   local wheels=${WHEELS:-$REPO_ROOT/.whl}
   compgen -G "$wheels/*.whl" >/dev/null ||
-    die "missing modules (${missing[*]}) and no wheels in $wheels (docs/benchmarks.md: carry them)"
+    die "missing modules (${missing[*]}) and no wheels in $wheels (docs/speed.md: carry them)"
   site=$(mktemp -d)
   note "installing ${missing[*]} from $wheels into $site"
   "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \

@@ -5,7 +5,7 @@
 
 JAX's GPU performance guide (docs.jax.dev, "GPU performance tips") and NVIDIA's JAX
 images recommend flags that XLA does not set by default. A flag is in KEPT only where
-a measurement says it helps (docs/benchmarks.md); CANDIDATES are the others of the
+a measurement says it helps (docs/speed.md); CANDIDATES are the others of the
 guide, measured by `launch/gpu_bench.sh` (each variant with its profile table) before
 they may move to KEPT.
 
@@ -27,7 +27,7 @@ from typing import Mapping
 PCI_DEVICES = "/sys/bus/pci/devices"
 NVIDIA_PCI_VENDOR = "0x10de"
 
-# flag -> the measured gain that keeps it (docs/benchmarks.md). Empty: no GPU profile
+# flag -> the measured gain that keeps it (docs/speed.md). Empty: no GPU profile
 # has shown a gain yet, so a GPU run gets XLA's own defaults unless
 # T5X_LIKE_GPU_XLA_FLAGS asks for more; `launch/gpu_bench.sh`'s gpt2_flags_candidates /
 # gpt2_flags_none pair is the measurement that may move a candidate here.

@@ -1,4 +1,4 @@
-"""`t5x-like bench attention` on this CPU: the command of the GPU check (docs/benchmarks.md,
+"""`t5x-like bench attention` on this CPU: the command of the GPU check (docs/speed.md,
 "On a GPU"), here over the explicit, XLA and (interpret-mode) Pallas kernels."""
 
 import json

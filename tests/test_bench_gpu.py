@@ -1,4 +1,4 @@
-"""`t5x-like bench gpu` (bench/gpu_suite.py, gpu_steps.py, gpu_report.py).
+"""`t5x-like bench gpu` (speed/gpu_suite.py, gpu_steps.py, gpu_report.py).
 
 The default tier drives the suite with a fake step runner (no process starts): the order,
 the budget, timeouts, the peer's fallback, the files under OUT and the checks' verdicts.
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from t5x_like.bench import gpu_report, gpu_steps, gpu_suite
+from t5x_like.speed import gpu_report, gpu_steps, gpu_suite
 from t5x_like.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

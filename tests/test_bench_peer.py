@@ -21,7 +21,7 @@ import torch
 
 from t5x_like import cli
 from t5x_like.commands import bench as bench_cli
-from t5x_like.bench.torch_peer import (bert_inputs, build_peer_model, gpt2_inputs,
+from t5x_like.speed.torch_peer import (bert_inputs, build_peer_model, gpt2_inputs,
                                        peer_config, peer_for)
 from t5x_like.command_flags import parse_flags
 from t5x_like.data.lm import packed_features

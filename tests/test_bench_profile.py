@@ -1,5 +1,5 @@
 """`bench model --profile`: the device-time table read back from a jax.profiler trace
-(bench/profile.py). Hand-written traces (XSpace text protos in the CPU and the GPU
+(speed/profile.py). Hand-written traces (XSpace text protos in the CPU and the GPU
 layout) and a hand-written HLO module with times worked out by hand; then one real
 trace of a tiny data-parallel step on the CPU, and (slow tier) of the smoke GPT
 through `t5x-like bench model --profile`."""
@@ -16,7 +16,7 @@ from jax.profiler import ProfileData
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from t5x_like import cli
-from t5x_like.bench import profile as prof
+from t5x_like.speed import profile as prof
 
 # A module with one instruction of each kind the table tells apart. The fusions'
 # op_names are the jax name stacks the train step gives them.
@@ -240,7 +240,7 @@ def test_real_cpu_trace_of_a_data_parallel_step(tmp_path):
 @pytest.mark.slow  # compiles and runs a train step (~20 s of compiling on 2 cores)
 def test_bench_model_profile_of_a_tiny_gpt_on_the_cpu(capsys, tmp_path, monkeypatch):
   """One real trace: 8 fake CPU devices, the smoke GPT, 2 profiled steps."""
-  from t5x_like.bench import model as model_bench
+  from t5x_like.speed import model as model_bench
   # MFU's CPU ceilings take ~30 s to measure and play no part here.
   monkeypatch.setattr(model_bench, "peak_flops",
                       lambda device, previous=None: {"bfloat16": 1e12, "float32": 1e12})

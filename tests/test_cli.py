@@ -24,7 +24,7 @@ def test_embedded_corpus_ships_eight_books():
 
 
 def test_bench_data_prints_tokens_per_second_and_its_environment(capsys):
-  """Every bench JSON carries "environment" (bench/environment.py), these keys exactly:
+  """Every bench JSON carries "environment" (speed/environment.py), these keys exactly:
   a driver that collects the JSONs reads them."""
   import os
   import platform

@@ -1,21 +1,21 @@
 """`t5x-like bench data | attention | model | compile | peer | bert-vs-torch | gpu [flags]`.
 
   data           tokens/s per core of an objective (plus packing) and of tokenization;
-                 with --prepared, prepared corpora at --sizes: bench/data.py, bench/prepared.py
+                 with --prepared, prepared corpora at --sizes: speed/data.py, speed/prepared.py
   attention      every attention kernel of this device against a float32 reference (values
                  and gradients, five masks, a bias; dropout statistics) and its time
-  model          compile and time the train step (and decode step): bench/model.py;
+  model          compile and time the train step (and decode step): speed/model.py;
                  with --profile DIR, a jax.profiler trace of a few more steps and their
-                 device time per category (printed to stderr): bench/profile.py
+                 device time per category (printed to stderr): speed/profile.py
   compile        compile time of the train step at several depths (--layers 6,12,24)
   peer           our train step against transformers' PyTorch model of the config's family
-                 (BERT, GPT-2), eager and torch.compile'd (--compile): bench/peers.py
+                 (BERT, GPT-2), eager and torch.compile'd (--compile): speed/peers.py
   bert-vs-torch  our BERT step against transformers' BertForPreTraining in bfloat16 and
-                 float32 (the CPU regression guard): bench/peers.py
-  gpu            every GPU figure of docs/benchmarks.md in one budgeted call, most
+                 float32 (the CPU regression guard): speed/peers.py
+  gpu            every GPU figure of docs/speed.md in one budgeted call, most
                  important first, into --out (results.json, summary.md, log.txt,
                  traces.tar.gz); --rehearse runs the same steps on the CPU at smoke
-                 shapes: bench/gpu_suite.py, bench/gpu_steps.py
+                 shapes: speed/gpu_suite.py, speed/gpu_steps.py
 
 Each prints one JSON object. model, compile, peer and bert-vs-torch take
 --config FILE[:ARG] [--config.KEY=VALUE ...] (absl / ml-collections flags, as `train`).
@@ -67,7 +67,7 @@ def _flags(argv: list[str]) -> flags.FlagValues:
                     flag_values=fv)
   flags.DEFINE_string("profile", None, "model: after the timed steps, profile"
                       " --profile_steps more into this folder (jax.profiler: TensorBoard,"
-                      " Perfetto) and print device time per category (bench/profile.py)",
+                      " Perfetto) and print device time per category (speed/profile.py)",
                       flag_values=fv)
   flags.DEFINE_integer("profile_steps", 3, "model: steps to profile with --profile",
                        flag_values=fv)
@@ -103,7 +103,7 @@ def main(argv: list[str]) -> int:
     # PyTorch shares the GPU: JAX allocates as it needs instead of taking 75% up front
     # (read when JAX's GPU client starts, which is later).
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  from t5x_like.bench import model as model_bench
+  from t5x_like.speed import model as model_bench
   try:
     if what == "model":
       profile_dir = _profile_dir(fv.profile) if fv.profile else None
@@ -115,19 +115,19 @@ def main(argv: list[str]) -> int:
     elif what == "compile":
       result = model_bench.bench_compile(fv.config, [int(n) for n in fv.layers])
     elif what == "peer":
-      from t5x_like.bench.peers import bench_peer
+      from t5x_like.speed.peers import bench_peer
       result = bench_peer(fv.config, steps=fv.steps, rounds=fv.rounds, warmup=fv.warmup,
                           compile=fv.compile, peak_repeats=fv.peak_repeats,
                           compilation_cache=fv.compilation_cache)
     else:
-      from t5x_like.bench.peers import bench_bert_vs_torch
+      from t5x_like.speed.peers import bench_bert_vs_torch
       result = bench_bert_vs_torch(fv.config, steps=fv.steps, rounds=fv.rounds,
                                    warmup=fv.warmup)
   except ValueError as e:
     print(f"t5x-like bench {what}: {e}", file=sys.stderr)
     return 2
   if "profile" in result:  # the table to stderr: stdout stays one JSON object
-    from t5x_like.bench.profile import format_table
+    from t5x_like.speed.profile import format_table
     print(format_table(result["profile"]), file=sys.stderr)
   print(json.dumps(result, indent=1))
   return 0
@@ -147,7 +147,7 @@ def _data_flags(argv: list[str]) -> flags.FlagValues:
   flags.DEFINE_integer("repeats", 5, "timed runs (median reported)", flag_values=fv)
   flags.DEFINE_string("mixture", "", "bench over a data.mixture ('SPEC=RATE,...', as"
                       " --config.data.mixture) instead of the embedded corpus", flag_values=fv)
-  flags.DEFINE_bool("prepared", False, "bench prepared corpora (bench/prepared.py) instead",
+  flags.DEFINE_bool("prepared", False, "bench prepared corpora (speed/prepared.py) instead",
                     flag_values=fv)
   flags.DEFINE_list("sizes", ["50", "2000"], "--prepared: synthetic corpus sizes in MB",
                     flag_values=fv)
@@ -170,13 +170,13 @@ def _bench_data(argv: list[str]) -> int:
   fv, _ = parse_flags_and_args("bench data", argv, _data_flags, required=("objective",),
                                doc=COMMANDS["data"], positionals="")
   if fv.prepared:
-    from t5x_like.bench.prepared import bench_prepared
+    from t5x_like.speed.prepared import bench_prepared
     print(json.dumps(bench_prepared(sizes_mb=_numbers(fv, "sizes", float),
                                     objective=fv.objective,
                                     workers=_numbers(fv, "workers", int),
                                     scratch=fv.scratch), indent=1))
     return 0
-  from t5x_like.bench.data import bench_objective
+  from t5x_like.speed.data import bench_objective
   print(json.dumps(bench_objective(fv.objective, length=fv.length, batch_size=fv.batch,
                                    steps=fv.steps, repeats=fv.repeats,
                                    mixture=fv.mixture), indent=1))
@@ -203,7 +203,7 @@ def _attention_flags(argv: list[str]) -> flags.FlagValues:
 def _bench_attention(argv: list[str]) -> int:
   fv, _ = parse_flags_and_args("bench attention", argv, _attention_flags,
                                doc=COMMANDS["attention"], positionals="")
-  from t5x_like.bench.attention import bench_attention
+  from t5x_like.speed.attention import bench_attention
   try:
     result = bench_attention(batch=fv.batch, length=fv.length, heads=fv.heads,
                              kv_heads=fv.kv_heads, head_dim=fv.head_dim, dtype=fv.dtype,
@@ -238,7 +238,7 @@ def _gpu_flags(argv: list[str]) -> flags.FlagValues:
 def _bench_gpu(argv: list[str]) -> int:
   fv, _ = parse_flags_and_args("bench gpu", argv, _gpu_flags, doc=COMMANDS["gpu"],
                                positionals="")
-  from t5x_like.bench import gpu_steps, gpu_suite
+  from t5x_like.speed import gpu_steps, gpu_suite
   if fv.list:
     for step in gpu_steps.suite_steps(rehearse=fv.rehearse, configs=fv.configs):
       env = " ".join(f"{k}={v}" for k, v in step.env)

@@ -135,7 +135,7 @@ def make_train_step(model, optimizer: optax.GradientTransformation,
         (grads, metrics), _ = jax.lax.scan(body, zeros,
                                            (jnp.arange(microbatches), micro))
 
-      # The scope names the update's ops in the HLO metadata (bench/profile.py's table).
+      # The scope names the update's ops in the HLO metadata (speed/profile.py's table).
       with jax.named_scope("optimizer_update"):
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5x_like.bench.environment import environment
+from t5x_like.speed.environment import environment
 from t5x_like.models.attention_core import choose_kernel, attend
 from t5x_like.models.attention_kernels import pallas_gpu_unsupported, pallas_interpret
 from t5x_like.models.masks import MaskSpec, mask_spec

@@ -13,7 +13,7 @@ import statistics
 import tempfile
 import time
 
-from t5x_like.bench.environment import environment
+from t5x_like.speed.environment import environment
 from t5x_like.data.loader import BatchPlan
 from t5x_like.data.pipeline import OBJECTIVES, make_objective
 from t5x_like.data.sources import EmbeddedCorpus

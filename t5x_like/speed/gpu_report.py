@@ -2,7 +2,7 @@
 
   figures(step, bench_json) -> {tokens_per_second, mfu, ratio, ...}   (one step)
   compare_losses(fused_json, explicit_json) -> {passed, first_loss_difference, ...}
-  summary_markdown(results) -> the table for docs/benchmarks.md
+  summary_markdown(results) -> the table for docs/speed.md
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def host_environment() -> dict[str, Any]:
 
 def fill_environment(results: dict) -> None:
   """results['environment']'s jax, jaxlib, backend, device kind and torch from the first
-  step JSON that records them (bench/environment.py)."""
+  step JSON that records them (speed/environment.py)."""
   env = results["environment"]
   for step in results["steps"]:
     seen = (step.get("result") or {}).get("environment") or {}
@@ -212,7 +212,7 @@ def _row(record: dict) -> str:
 
 def summary_markdown(results: dict) -> str:
   """The table of a suite run (results.json), with each recipe's profile table."""
-  from t5x_like.bench.profile import format_table
+  from t5x_like.speed.profile import format_table
   env = results["environment"]
   device = env.get("nvidia_smi") or env.get("device_kind") or "unknown device"
   lines = [f"### `t5x-like bench gpu`{' --rehearse' if results['mode'] == 'rehearsal' else ''},"

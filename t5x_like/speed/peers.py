@@ -1,5 +1,5 @@
 """`t5x-like bench peer` and `bench bert-vs-torch`: our train step against transformers'
-PyTorch model of the same shape (bench/torch_peer.py), in one process, on the same batches.
+PyTorch model of the same shape (speed/torch_peer.py), in one process, on the same batches.
 
   result = bench_peer(config, steps=10, rounds=3, warmup=2, compile="both")
   result = bench_bert_vs_torch(config, steps=3, rounds=3, warmup=2)
@@ -33,9 +33,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from t5x_like.bench.environment import environment
-from t5x_like.bench.model import TrainBench, disable_compilation_cache, host_batches, peak_flops
-from t5x_like.bench.torch_peer import TorchStep, device_name, peer_for, torch_adamw
+from t5x_like.speed.environment import environment
+from t5x_like.speed.model import TrainBench, disable_compilation_cache, host_batches, peak_flops
+from t5x_like.speed.torch_peer import TorchStep, device_name, peer_for, torch_adamw
 from t5x_like.experiment import build_model_from_config, config_vocab
 from t5x_like.train.optimizers import make_optimizer
 

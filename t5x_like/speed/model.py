@@ -31,8 +31,8 @@ import numpy as np
 from t5x_like.data.loader import make_loader
 from t5x_like.data.sources import EmbeddedCorpus
 from t5x_like.data.tokenize import build_store
-from t5x_like.bench import profile as profile_lib
-from t5x_like.bench.environment import environment
+from t5x_like.speed import profile as profile_lib
+from t5x_like.speed.environment import environment
 from t5x_like.models.attention_core import record_kernels
 from t5x_like.parallel import shard_batch
 from t5x_like.plan import roofline as roofline_lib
@@ -254,7 +254,7 @@ def bench_model(config: ml_collections.ConfigDict, *, steps: int = 10, warmup: i
   on, so that compile_seconds may be a cache hit (a rehearsal's repeated programs).
   profile_dir: after the timed steps, `profile_steps` more run under jax.profiler into
   this folder (TensorBoard / Perfetto; the step's HLO beside it as train_step.hlo.txt),
-  and result['profile'] is their device time per category (bench/profile.py).
+  and result['profile'] is their device time per category (speed/profile.py).
   """
   if steps < 1 or warmup < 0:
     raise ValueError(f"steps={steps} must be >= 1 and warmup={warmup} >= 0")
@@ -321,7 +321,7 @@ def bench_model(config: ml_collections.ConfigDict, *, steps: int = 10, warmup: i
 
 
 def _profile(bench: TrainBench, log_dir: str, steps: int) -> dict:
-  """Profile `steps` more train steps into log_dir; their table (bench/profile.py)."""
+  """Profile `steps` more train steps into log_dir; their table (speed/profile.py)."""
   os.makedirs(log_dir, exist_ok=True)
   hlo_text = bench.compiled.as_text()
   with open(os.path.join(log_dir, "train_step.hlo.txt"), "w") as f:

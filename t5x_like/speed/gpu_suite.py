@@ -1,15 +1,15 @@
-"""`t5x-like bench gpu`: every GPU figure of docs/benchmarks.md in one budgeted call.
+"""`t5x-like bench gpu`: every GPU figure of docs/speed.md in one budgeted call.
 
   results = run_suite("out", rehearse=False, budget=540)
 
-Runs the steps of bench/gpu_steps.py in their order of importance, each as its own
+Runs the steps of speed/gpu_steps.py in their order of importance, each as its own
 `t5x-like` process with its own timeout, until the budget is spent; what is left is
 recorded as skipped. After every step OUT gets (atomically, so a run stopped from
 outside still leaves them):
 
   results.json   every step's status, seconds, command and figures (gpu_report.py),
                  the bench's own JSON, the environment (versions, XLA_FLAGS, device)
-  summary.md     the table for docs/benchmarks.md (also printed at the end)
+  summary.md     the table for docs/speed.md (also printed at the end)
   log.txt        every step's command and its stderr, in order
   traces.tar.gz  the profiles (xplane.pb and the step's HLO), packed at the end;
                  left out (and said so in results.json) above TRACE_LIMIT_BYTES
@@ -39,8 +39,8 @@ import time
 from concurrent import futures
 from typing import Callable, Optional, Sequence
 
-from t5x_like.bench import gpu_report
-from t5x_like.bench.gpu_steps import DETERMINISTIC_FLAG, RESUME_KILL_STEP, Step, suite_steps
+from t5x_like.speed import gpu_report
+from t5x_like.speed.gpu_steps import DETERMINISTIC_FLAG, RESUME_KILL_STEP, Step, suite_steps
 from t5x_like.errors import UserError
 
 SCHEMA = 1

@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from t5x_like.bench.environment import environment
+from t5x_like.speed.environment import environment
 
 _STARTUP = r"""
 import json, sys, time

@@ -1,1 +1,0 @@
-"""Benchmarks behind `t5x-like bench` (data now; model and decode steps later)."""
