@@ -264,7 +264,7 @@ def test_the_rehearsal_runs_every_step_on_the_cpu_within_the_file_limits(tmp_pat
   every figure the GPU call fills. (4:14 on 2 quiet cores of an AMD EPYC; the budget
   leaves room for a slower machine: a step it skips fails the test.)"""
   out = tmp_path / "rehearsal"
-  env = dict(os.environ, OUT=str(out), COMMIT="test")
+  env = dict(os.environ, OUT=str(out), COMMIT="test", PYTHON=sys.executable)
   env.pop("XLA_FLAGS", None)  # one CPU device, as a user's machine has
   run = subprocess.run(["bash", os.path.join(REPO, "launch", "gpu_bench.sh"), "--rehearse",
                         "--budget", "420"], cwd=tmp_path, env=env, capture_output=True,
