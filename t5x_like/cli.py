@@ -17,7 +17,7 @@ import sys
 import traceback
 
 from t5x_like import command_flags, gpu_flags
-from t5x_like.errors import USER_ERROR_EXIT, UserError
+from t5x_like.errors import EXIT_USER_ERROR, UserError
 
 # glibc's malloc backs its large (mmap) allocations with transparent huge pages when
 # this tunable is set at process start. XLA on CPU allocates each step's temporaries
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     return 0
   except UserError as e:
     command_flags.print_error(command, e, debug)
-    return USER_ERROR_EXIT
+    return EXIT_USER_ERROR
   except KeyboardInterrupt as e:
     if debug:
       traceback.print_exception(e)

@@ -19,6 +19,7 @@ import threading
 from absl import flags
 
 from t5x_like.command_flags import FlagError
+from t5x_like.errors import EXIT_START_TIMEOUT
 
 # jax's own default is 100 s. Heartbeats come from a C++ thread of their own (no Python,
 # no GIL), so a busy but live process does not miss them; a lost one is noticed this long
@@ -63,7 +64,7 @@ class _StartWatchdog:
             " every worker (e.g. `launch/tpu.sh run` uses --worker=all): check that all"
             " workers are running the same command and can reach the coordinator.",
             file=sys.stderr, flush=True)
-      os._exit(3)
+      os._exit(EXIT_START_TIMEOUT)  # pylint: disable=protected-access
 
   def done(self) -> None:
     self._done.set()

@@ -39,6 +39,7 @@ import time
 from typing import Optional
 
 from t5x_like import peer_loss
+from t5x_like.errors import EXIT_PEER_LOST
 
 GUARD_ENV = "T5X_LIKE_PEER_GUARD"
 HOLD_SECONDS = 10.0  # held-back coordination lines of a child that lives on are shown then
@@ -111,12 +112,12 @@ def outcome(status: int, seen: bytes, command: str, process_id: int, num_process
     code = -os.WTERMSIG(status)
   else:
     code = os.WEXITSTATUS(status)
-  if code in (0, peer_loss.EXIT_PEER_LOST):
+  if code in (0, EXIT_PEER_LOST):
     return code, None
   loss = peer_loss.from_text(seen.decode(errors="replace"), process_id, num_processes)
   if loss is None:
     return code, None
-  return peer_loss.EXIT_PEER_LOST, peer_loss.lost_peer_line(
+  return EXIT_PEER_LOST, peer_loss.lost_peer_line(
       command, loss, peer_loss.last_committed_step(checkpoint_dir), checkpoint_dir is not None)
 
 
@@ -227,7 +228,7 @@ def _install_excepthook(command: str, process_id: int, num_processes: int, check
                                     checkpoint_dir is not None)
     print(("\n" if _progress_bar_open() else "") + line, file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os._exit(peer_loss.EXIT_PEER_LOST)  # pylint: disable=protected-access
+    os._exit(EXIT_PEER_LOST)  # pylint: disable=protected-access
 
   sys.excepthook = on_exception
 

@@ -27,9 +27,9 @@ import os
 import re
 from typing import NamedTuple, Optional
 
-from t5x_like.train.preemption import EXIT_PEER_LOST
+from t5x_like.errors import EXIT_PEER_LOST
 
-__all__ = ["EXIT_PEER_LOST", "PeerLoss", "lost_peer_line", "from_text", "from_exception",
+__all__ = ["PeerLoss", "lost_peer_line", "from_text", "from_exception",
            "last_committed_step"]
 
 # jax's C++ warning/error/fatal log lines (glog format) from the coordination service,

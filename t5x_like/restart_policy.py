@@ -5,8 +5,8 @@ run ends, and the lines it logs: pure functions of exit statuses, no processes, 
   decide(2)    -> GIVE_UP   (stop the others, stop with that status)
   decide(0)    -> FINISHED  (this one is done; wait for the others)
 
-The statuses are the trainer's contract (README, "Exit status"; t5x_like/train/
-preemption.py) plus what a dead process or host looks like from outside: a negative
+The statuses are the trainer's contract (README, "Exit status"; t5x_like/errors.py)
+plus what a dead process or host looks like from outside: a negative
 Popen return code or 128 + N (killed by signal N), 134 (jax's C++ abort when the
 coordination service loses a peer), 255 (ssh: the connection to the host was lost).
 This module stays importable without jax or absl: the pod launchers run it on a laptop
@@ -18,20 +18,18 @@ from __future__ import annotations
 import signal
 from typing import Optional
 
-from t5x_like.train.preemption import EXIT_PEER_LOST  # stdlib only, as this module
+from t5x_like.errors import (EXIT_FAILURE, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_JAX_ABORT,
+                             EXIT_PEER_LOST, EXIT_SSH_LOST, EXIT_START_TIMEOUT,
+                             EXIT_USER_ERROR)
 
 RESTART, GIVE_UP, FINISHED = "restart", "give up", "finished"
 
-EXIT_START_TIMEOUT = 3  # t5x_like/distributed.py: the processes did not all connect
-EXIT_SSH_LOST = 255  # ssh (and gcloud's ssh): the connection or the host went away
-EXIT_JAX_ABORT = 134  # SIGABRT: jax's coordination service aborts a survivor
-
 # status -> (decision, why), for the statuses that are not "killed by signal N".
 _KNOWN = {
-    0: (FINISHED, "finished"),
-    1: (GIVE_UP, "failure (a non-finite loss or a bug: see its log)"),
-    2: (GIVE_UP, "user error"),
-    130: (GIVE_UP, "interrupted by Ctrl-C"),
+    EXIT_FINISHED: (FINISHED, "finished"),
+    EXIT_FAILURE: (GIVE_UP, "failure (a non-finite loss or a bug: see its log)"),
+    EXIT_USER_ERROR: (GIVE_UP, "user error"),
+    EXIT_INTERRUPTED: (GIVE_UP, "interrupted by Ctrl-C"),
     143: (RESTART, "stopped by SIGTERM, preempted"),
     EXIT_PEER_LOST: (RESTART, "a peer was lost"),
     EXIT_JAX_ABORT: (RESTART, "aborted by jax: a peer was lost"),

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from helpers import ROOT, jsonl_rows
-from t5x_like import peer_guard, peer_loss
+from t5x_like import errors, peer_guard, peer_loss
 from t5x_like.checkpoint import integrity
 from t5x_like.train import preemption
 
@@ -51,10 +51,11 @@ LINE = re.compile(r"^t5x-like train: lost contact with process (\d) \((.+)\); la
 
 # ------------------------------------------------------------------------ the pieces
 def test_the_peer_lost_status_is_75_and_no_other_status_of_the_contract():
-  assert preemption.EXIT_PEER_LOST == peer_loss.EXIT_PEER_LOST == 75
-  others = {preemption.EXIT_FINISHED, preemption.EXIT_FAILURE, preemption.EXIT_USER_ERROR,
-            preemption.EXIT_INTERRUPTED, preemption.stopped_exit_code("SIGTERM"), 3}
-  assert 75 not in others
+  assert errors.EXIT_PEER_LOST == 75
+  others = {errors.EXIT_FINISHED, errors.EXIT_FAILURE, errors.EXIT_USER_ERROR,
+            errors.EXIT_START_TIMEOUT, errors.EXIT_INTERRUPTED, errors.EXIT_JAX_ABORT,
+            errors.EXIT_SSH_LOST, preemption.stopped_exit_code("SIGTERM")}
+  assert 75 not in others and len(others) == 8
 
 
 def test_the_line_names_the_process_how_and_the_step():

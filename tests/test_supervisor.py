@@ -56,9 +56,11 @@ def test_each_status_restarts_gives_up_or_finishes(status, decision):
   assert policy.decide(status) == decision
 
 
-def test_peer_lost_status_is_the_trainers():
-  from t5x_like.train import preemption
-  assert policy.EXIT_PEER_LOST == getattr(preemption, "EXIT_PEER_LOST", 75) == 75
+def test_the_policy_reads_the_statuses_the_processes_exit_with():
+  from t5x_like import errors
+  assert policy.decide(errors.EXIT_PEER_LOST) == policy.decide(errors.EXIT_START_TIMEOUT) \
+      == policy.RESTART
+  assert policy.decide(errors.EXIT_USER_ERROR) == policy.GIVE_UP
 
 
 def test_the_supervisor_imports_neither_jax_nor_absl():

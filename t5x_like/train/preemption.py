@@ -18,6 +18,8 @@ import sys
 import threading
 from typing import Iterator, Optional
 
+from t5x_like.errors import EXIT_FINISHED, EXIT_INTERRUPTED
+
 
 class Preemption:
   """Turns SIGTERM and SIGINT (Ctrl-C) into a flag the loop checks after each step: the
@@ -61,14 +63,6 @@ class Preemption:
     for s, handler in self._previous.items():
       signal.signal(s, handler)
     sys.unraisablehook = self._previous_unraisablehook
-
-
-EXIT_FINISHED = 0  # trained to the end (now or before)
-EXIT_FAILURE = 1  # e.g. a non-finite loss, a crash
-EXIT_USER_ERROR = 2  # t5x_like.errors.UserError: one line naming the key, file or path
-EXIT_INTERRUPTED = 130  # a second Ctrl-C: stopped at once, without saving
-EXIT_PEER_LOST = 75  # another process of a multi-host run was lost (EX_TEMPFAIL): rerun
-#   every worker; the run resumes from the last checkpoint every process committed
 
 
 def stopped_exit_code(signal_name: str) -> int:
