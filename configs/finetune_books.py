@@ -1,4 +1,4 @@
-"""Fine-tuning on the book task (t5x_like/studies/books.py): which book a passage is from.
+"""Fine-tuning on the book task (t5x_like/task_builders/books.py): which book a passage is from.
 
   t5x-like task books --out workdir/books
   t5x-like train --config configs/bert_cpu.py --workdir workdir/bert_books \\
@@ -12,7 +12,7 @@ author's name as text to text, evaluated by generating it); `,smoke` for tests (
 :smoke pretraining configs, 10 steps); `task=books` (the default, in-domain),
 `task=unseen` (`t5x-like task books-unseen`: 3 books not pretrained on) or
 `task=within` (`t5x-like task books-within`: Frankenstein's narrators), pretraining on
-the task's own pretrain/ (t5x_like/studies/books_ood.py); `dir=PATH`: where the
+the task's own pretrain/ (t5x_like/task_builders/books_ood.py); `dir=PATH`: where the
 `t5x-like task` command wrote (default workdir/books, workdir/books_unseen,
 workdir/books_within).
 The recipe (BERT) is the one the experiments of docs/book-task.md chose: mean pooling

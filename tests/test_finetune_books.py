@@ -1,4 +1,4 @@
-"""`t5x-like task books-unseen` / `books-within` (t5x_like/studies/books_ood.py): the task
+"""`t5x-like task books-unseen` / `books-within` (t5x_like/task_builders/books_ood.py): the task
 books are absent from pretrain/, the classes balanced, train and dev from disjoint regions,
 the CLI's counts those of its files; a smoke fine-tune runs on each."""
 
@@ -12,7 +12,7 @@ import re
 import pytest
 
 from t5x_like import cli, corpus
-from t5x_like.studies import books_ood
+from t5x_like.task_builders import books_ood
 from t5x_like.command_flags import load_config_file
 from helpers import ROOT
 

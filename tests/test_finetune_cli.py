@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from t5x_like import cli, corpus
-from t5x_like.studies import books
+from t5x_like.task_builders import books
 from t5x_like.data.loader import make_loader
 from t5x_like.finetune.encoding import EncodedRows
 from t5x_like.train.metrics import read_jsonl

@@ -1,4 +1,4 @@
-"""The text-task builders (t5x_like/studies/text_tasks.py), the bag-of-pieces baseline
+"""The text-task builders (t5x_like/task_builders/text_tasks.py), the bag-of-pieces baseline
 (studies/bag_of_pieces.py) and task.test_file.
 
 The builders' properties are checked against the source text itself: every
@@ -21,7 +21,7 @@ import pytest
 
 from t5x_like import cli
 from t5x_like.data.sentences import split_sentences
-from t5x_like.studies import text_tasks
+from t5x_like.task_builders import text_tasks
 from helpers import ROOT
 
 BOOKS = ("carroll_alices_adventures_in_wonderland", "shelley_frankenstein",
@@ -362,7 +362,7 @@ def test_text_task_config_defaults_the_tables_chose():
 def test_a_stopped_child_ends_the_study_in_one_line_with_its_status(monkeypatch, capsys):
   """A suite stopped by SIGTERM (exit 143, its checkpoint saved): the study driver says
   so in one line and exits 143, no traceback; another failure stays an error."""
-  from t5x_like.studies import text_task_experiment as experiment
+  from t5x_like.studies import child_runs
 
   class Child:  # what subprocess.Popen gives; the child's status is the point
     def __init__(self, command, **unused):
@@ -371,12 +371,13 @@ def test_a_stopped_child_ends_the_study_in_one_line_with_its_status(monkeypatch,
     def wait(self):
       return self.status
 
-  monkeypatch.setattr(experiment.subprocess, "Popen", Child)
+  monkeypatch.setattr(child_runs.subprocess, "Popen", Child)
   with pytest.raises(SystemExit) as exit_info:
-    experiment.exit_with(lambda: experiment.t5x_like("finetune-suite", "--tasks=rte"), "study")
+    child_runs.exit_with(lambda: child_runs.run_t5x_like("finetune-suite", "--tasks=rte"),
+                         "study")
   assert exit_info.value.code == 143
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and "Traceback" not in err
   assert err.startswith("study: `t5x-like finetune-suite` was stopped (exit 143")
   with pytest.raises(RuntimeError, match="exit 1: "):
-    experiment.t5x_like("train")
+    child_runs.run_t5x_like("train")

@@ -3,15 +3,16 @@
   authorship     which author wrote a passage           from any text (--source SPEC, the
   acceptability  a sentence as written or corrupted     `train` forms): train/dev/test.csv
   coherence      two sentences consecutive or not       and stats.json; --per_class N
-                 (t5x_like/studies/text_tasks.py)
+                 (t5x_like/task_builders/text_tasks.py)
 
   books          which of the eight books a passage is from; writes the task and the
-                 pretraining text without its held-out passages (t5x_like/studies/books.py)
+                 pretraining text without its held-out passages
+                 (t5x_like/task_builders/books.py)
   books-unseen   3-way attribution among Carroll, Shelley and Wells
   books-within   who narrates a Frankenstein passage, Victor or the creature
 
 books-unseen and books-within: pretrain/ holds the other five books, none of the task's
-(t5x_like/studies/books_ood.py). Each prints the counts as JSON.
+(t5x_like/task_builders/books_ood.py). Each prints the counts as JSON.
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ from t5x_like.errors import UserError
 _OOD = ("3-way attribution among Carroll, Shelley and Wells",
         "who narrates a Frankenstein passage, Victor or the creature")
 SUBCOMMANDS = {
-    "authorship": "which author wrote a passage of any text source (t5x_like/finetune/"
-                  "text_tasks.py)",
+    "authorship": "which author wrote a passage of any text source (t5x_like/"
+                  "task_builders/text_tasks.py)",
     "acceptability": "a sentence as written, or with two neighbouring words swapped or a"
                      " function word replaced (CoLA-style)",
     "coherence": "are two sentences consecutive, or is the second from elsewhere in the"
                  " same document",
     "books": "writes the book task (which book a passage is from) and the pretraining text"
-             " without its held-out passages (t5x_like/studies/books.py)",
+             " without its held-out passages (t5x_like/task_builders/books.py)",
     "books-unseen": f"{_OOD[0]}; pretrain/ holds the other five books, none of the task's",
     "books-within": f"{_OOD[1]}; pretrain/ holds the other five books, none of the task's",
 }
@@ -60,7 +61,7 @@ def _ood_flags(argv: list[str]) -> flags.FlagValues:
   return fv
 
 
-TEXT_TASKS = ("authorship", "acceptability", "coherence")  # studies/text_tasks.KINDS
+TEXT_TASKS = ("authorship", "acceptability", "coherence")  # task_builders/text_tasks.KINDS
 
 
 def _text_task_flags(argv: list[str]) -> flags.FlagValues:
@@ -93,7 +94,7 @@ def main(argv: list[str]) -> int:
     fv, _ = parse_flags_and_args(f"task {which}", argv, _text_task_flags,
                                  required=("source", "out"), doc=SUBCOMMANDS[which],
                                  positionals="")
-    from t5x_like.studies.text_tasks import build_text_task
+    from t5x_like.task_builders.text_tasks import build_text_task
     summary = build_text_task(
         which, fv.source, fv.out, per_class=fv.per_class, seed=fv.seed, regions=fv.regions,
         min_words=fv.min_words, max_words=fv.max_words, passage_words=fv.passage_words,
@@ -101,14 +102,15 @@ def main(argv: list[str]) -> int:
   elif which == "books":
     fv, _ = parse_flags_and_args("task books", argv, _books_flags, required=("out",),
                                  doc=SUBCOMMANDS["books"], positionals="")
-    from t5x_like.studies.books import make_book_task
+    from t5x_like.task_builders.books import make_book_task
     summary = make_book_task(fv.out, num_blocks=fv.num_blocks, block_words=fv.block_words,
                              passage_words=fv.passage_words)
   else:
     fv, _ = parse_flags_and_args(f"task {which}", argv, _ood_flags, required=("out",),
-                                 doc=SUBCOMMANDS[which] + " (t5x_like/studies/books_ood.py)",
+                                 doc=f"{SUBCOMMANDS[which]} (t5x_like/task_builders/"
+                                     "books_ood.py)",
                                  positionals="")
-    from t5x_like.studies import books_ood
+    from t5x_like.task_builders import books_ood
     make = {"books-unseen": books_ood.make_unseen_task,
             "books-within": books_ood.make_within_task}[which]
     try:

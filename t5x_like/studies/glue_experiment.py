@@ -4,6 +4,8 @@ on GLUE's dev sets with the official metrics, for BERT and T5 (docs/glue.md).
   python -m t5x_like.studies.glue_experiment --workdir workdir/glue_study \\
       --data_dir glue_data --out docs/glue.md
 
+Run from the repository's root: its configs/ are the recipes (--configs DIR elsewhere).
+
 data_dir holds GLUE's own files (CoLA/train.tsv ..., as GLUE's download script lays them
 out) or a TFDS build. Every stage skips what an earlier call finished, so a call resumes
 an interrupted one:
@@ -48,7 +50,7 @@ from absl import flags
 from t5x_like import fs
 from t5x_like.command_flags import FlagError, parse_flags_and_args
 from t5x_like.studies.glue_tables import glue_markdown, section_marker
-from t5x_like.studies.text_task_experiment import CONFIGS, exit_with, log, t5x_like
+from t5x_like.studies.child_runs import configs_dir, configs_flag, exit_with, log, run_t5x_like
 
 PROG = "python -m t5x_like.studies.glue_experiment"
 TASKS = ("cola", "sst2", "mrpc", "stsb", "rte", "wnli")
@@ -102,19 +104,20 @@ def pretraining_mixture(books: str, task_text: dict[str, int], rate: float) -> d
   return mixture
 
 
-def pretrain(family: str, mixture: dict, steps: int, workdir: str, smoke: bool) -> str:
+def pretrain(family: str, mixture: dict, steps: int, workdir: str, smoke: bool, *,
+             configs: str) -> str:
   """The pretraining run's workdir (trained when it has no .done marker; a changed
   step count is another run, named by it)."""
   out = os.path.join(workdir, "pretrain", family + (f"_{steps}steps" if steps else ""))
   if not os.path.exists(out + ".done"):
-    args = ["train", "--config", os.path.join(CONFIGS, f"{family}_cpu.py:"
+    args = ["train", "--config", os.path.join(configs, f"{family}_cpu.py:"
                                               + ("smoke" if smoke else "glue")),
             "--workdir", out, f"--config.data.mixture={mixture!r}"]
     if steps:
       args.append(f"--config.train.num_steps={steps}")
     log(f"pretrain {family} on {mixture}")
     started = time.time()
-    t5x_like(*args, log_file=out + ".log")
+    run_t5x_like(*args, log_file=out + ".log")
     log(f"pretrain {family}: {time.time() - started:.0f} s")
     open(out + ".done", "w").close()
   return out
@@ -122,16 +125,16 @@ def pretrain(family: str, mixture: dict, steps: int, workdir: str, smoke: bool) 
 
 def suite_runs(family: str, arm: str, seed: int, tasks: list[str], checkpoint: str,
                data_dir: str, lr_grid: list[str], picks: dict[str, str], workdir: str,
-               smoke: bool) -> dict[str, dict]:
+               smoke: bool, *, configs: str) -> dict[str, dict]:
   """{task: final_metrics.json} of the arm's suite at one seed (run where missing):
   with lr_grid, each task's rate picked on train; else each task at picks[task]."""
   suite = os.path.join(workdir, "runs", family, arm, f"s{seed}")
   arg = f"family={family}," + ("smoke" if smoke else "cpu")
-  common = ["finetune-suite", "--config", os.path.join(CONFIGS, f"glue.py:{arg}"),
+  common = ["finetune-suite", "--config", os.path.join(configs, f"glue.py:{arg}"),
             f"--config.benchmark.data_dir={data_dir}", f"--config.seed={seed}"]
   if arm == "random":  # the same architecture as the pretrained arm, no checkpoint
     variant = "smoke" if smoke else "glue"
-    common.append(f"--config.init.config={os.path.join(CONFIGS, f'{family}_cpu.py:{variant}')}")
+    common.append(f"--config.init.config={os.path.join(configs, f'{family}_cpu.py:{variant}')}")
   else:
     common.append(f"--init={checkpoint}")
   missing = [t for t in tasks if not os.path.exists(os.path.join(suite, t,
@@ -139,13 +142,13 @@ def suite_runs(family: str, arm: str, seed: int, tasks: list[str], checkpoint: s
   if missing:
     started = time.time()
     if lr_grid:
-      t5x_like(*common, "--workdir", suite, f"--tasks={','.join(missing)}",
-               f"--lr_grid={','.join(lr_grid)}", log_file=f"{suite}.log")
+      run_t5x_like(*common, "--workdir", suite, f"--tasks={','.join(missing)}",
+                   f"--lr_grid={','.join(lr_grid)}", log_file=f"{suite}.log")
     else:
       for task in missing:  # each at its rate picked at the first seed
         rate = [f"--config.optimizer.learning_rate={picks[task]}"] if picks.get(task) else []
-        t5x_like(*common, "--workdir", suite, f"--tasks={task}", *rate,
-                 log_file=f"{suite}_{task}.log")
+        run_t5x_like(*common, "--workdir", suite, f"--tasks={task}", *rate,
+                     log_file=f"{suite}_{task}.log")
     log(f"{family} {arm} seed {seed}: {', '.join(missing)} in {time.time() - started:.0f} s")
   out = {}
   for task in tasks:
@@ -199,7 +202,8 @@ def save_record(record: str, workdir: str) -> int:
   return len(rows)
 
 
-def baseline(family: str, task: str, data_dir: str, workdir: str, smoke: bool) -> dict:
+def baseline(family: str, task: str, data_dir: str, workdir: str, smoke: bool, *,
+             configs: str) -> dict:
   """The bag of pieces' official dev metrics on one task (cached as JSON)."""
   out = os.path.join(workdir, "baseline", family, f"{task}.json")
   if not os.path.exists(out):
@@ -209,7 +213,7 @@ def baseline(family: str, task: str, data_dir: str, workdir: str, smoke: bool) -
     from t5x_like.finetune.splits import load_splits, run_task
     from t5x_like.studies.bag_of_pieces import fit_on_train
     config = load_config_file(os.path.join(
-        CONFIGS, f"glue.py:{task},family={family}," + ("smoke" if smoke else "cpu")))
+        configs, f"glue.py:{task},family={family}," + ("smoke" if smoke else "cpu")))
     config.benchmark.data_dir = data_dir
     config.benchmark.predict_test = False
     config.init.config = config.init.default_config
@@ -267,6 +271,7 @@ def _flags(argv: list[str]) -> flags.FlagValues:
                       " workdir (docs/glue_runs.jsonl): read first, so a run it holds is"
                       " not run again, and rewritten after every suite", flag_values=fv)
   flags.DEFINE_bool("smoke", False, "tiny configs and steps (tests)", flag_values=fv)
+  configs_flag(fv)
   return fv
 
 
@@ -286,6 +291,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   if not 0 < a.task_text_rate < 1:
     raise FlagError(f"--task_text_rate {a.task_text_rate}: expected a number in (0, 1)")
   workdir, data_dir = os.path.abspath(a.workdir), os.path.abspath(a.data_dir)
+  configs = configs_dir(a.configs)
   from t5x_like.benchmarks.registry import benchmark
   from t5x_like.benchmarks.sources import check_benchmark
   for task in a.tasks:  # every task's data before anything runs
@@ -293,7 +299,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   if a.record:
     log(f"{a.record}: {restore_record(a.record, workdir)} finished results restored")
   try:
-    rows = _stages(a, seeds, workdir, data_dir)
+    rows = _stages(a, seeds, workdir, data_dir, configs)
   finally:  # what finished is kept, also when a suite stopped or failed
     if a.record:
       log(f"{a.record}: {save_record(a.record, workdir)} results")
@@ -308,23 +314,26 @@ def main(argv: Optional[list[str]] = None) -> int:
   return 0
 
 
-def _stages(a, seeds: list[int], workdir: str, data_dir: str) -> list[dict]:
+def _stages(a, seeds: list[int], workdir: str, data_dir: str, configs: str) -> list[dict]:
   """Every stage (module docstring) of a parsed call; its result rows."""
   rows = []
   mixture = pretraining_mixture(a.books, write_task_text(list(a.tasks), data_dir, workdir),
                                 a.task_text_rate)
   for family in a.families:
-    checkpoint = (pretrain(family, mixture, a.pretrain_steps, workdir, a.smoke)
+    checkpoint = (pretrain(family, mixture, a.pretrain_steps, workdir, a.smoke,
+                           configs=configs)
                   if "pretrained" in a.arms else "")
     for task in a.tasks:
       rows.append(dict(family=family, arm="bag", task=task, seed=0,
-                       **baseline(family, task, data_dir, workdir, a.smoke)))
+                       **baseline(family, task, data_dir, workdir, a.smoke,
+                                  configs=configs)))
     grid = a.t5_lr_grid if family == "t5" else a.lr_grid
     for arm in a.arms:
       picks: dict[str, str] = {}
       for seed in seeds:
         runs = suite_runs(family, arm, seed, list(a.tasks), checkpoint, data_dir,
-                          grid if not picks else [], picks, workdir, a.smoke)
+                          grid if not picks else [], picks, workdir, a.smoke,
+                          configs=configs)
         if a.record:
           save_record(a.record, workdir)
         for task, m in runs.items():

@@ -4,6 +4,8 @@ pieces, on tasks from books that pretraining never saw, at several label counts.
   python -m t5x_like.studies.text_task_experiment --workdir workdir/text_tasks \\
       --pretrain large='text:more_books/*.txt' --pretrain small=embedded:austen_...
 
+Run from the repository's root: its configs/ are the recipes (--configs DIR elsewhere).
+
 Every stage skips what an earlier call finished, so a call resumes an interrupted one
 and a second call with more arms, seeds or families adds only the missing runs:
 
@@ -36,7 +38,6 @@ import glob
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from typing import Optional
@@ -44,46 +45,13 @@ from typing import Optional
 import numpy as np
 from absl import flags
 
-from t5x_like.command_flags import FlagError, HelpShown, parse_flags_and_args, print_error
+from t5x_like.command_flags import FlagError, parse_flags_and_args
 from t5x_like.errors import UserError
+from t5x_like.studies.child_runs import configs_dir, configs_flag, exit_with, log, run_t5x_like
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "configs")
 KINDS = ("authorship", "acceptability", "coherence")
 UNSEEN = "embedded:carroll_alices_adventures_in_wonderland,shelley_frankenstein," \
          "wells_the_time_machine"
-
-
-def log(message: str) -> None:
-  print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-class ChildStopped(RuntimeError):
-  """A `t5x-like` child stopped by SIGTERM or Ctrl-C after saving (exit 143 or 130)."""
-
-  def __init__(self, rc: int, message: str):
-    super().__init__(message)
-    self.rc = rc
-
-
-def t5x_like(*args: str, log_file: Optional[str] = None) -> None:
-  """Runs `t5x-like ARGS` (this interpreter), its output to log_file; raises on failure
-  (ChildStopped when the child was stopped and saved: rerun to resume)."""
-  command = [sys.executable, "-m", "t5x_like.cli", *args]
-  if log_file:
-    os.makedirs(os.path.dirname(log_file), exist_ok=True)
-  with open(log_file or os.devnull, "w") as out:
-    child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    try:
-      rc = child.wait()
-    except KeyboardInterrupt:  # Ctrl-C reached the child too: let it save and stop
-      child.wait()
-      raise
-  if rc in (130, 143):
-    raise ChildStopped(rc, f"`t5x-like {args[0]}` was stopped (exit {rc}; log: {log_file}):"
-                           " rerun the same command to resume")
-  if rc:
-    raise RuntimeError(f"exit {rc}: {' '.join(command)} (log: {log_file})")
 
 
 def count_name(count: int) -> str:
@@ -107,7 +75,7 @@ def write_corpus(name: str, specs: list[str], task_spec: str, workdir: str) -> s
   """WORKDIR/corpus/NAME/*.txt: the documents of every spec, unwrapped, each file named
   after its document (its file or book name); returns the glob."""
   from t5x_like.data.sources import source_from_spec
-  from t5x_like.studies.books import unwrap
+  from t5x_like.task_builders.books import unwrap
   folder = os.path.join(workdir, "corpus", name)
   pattern = os.path.join(folder, "*.txt")
   if os.path.exists(os.path.join(folder, "DONE")):
@@ -133,16 +101,16 @@ def write_corpus(name: str, specs: list[str], task_spec: str, workdir: str) -> s
 
 
 def pretrain(family: str, name: str, corpus_glob: str, workdir: str, smoke: bool,
-             settings: tuple[str, ...] = ()) -> str:
+             settings: tuple[str, ...] = (), *, configs: str) -> str:
   """The pretraining run's workdir (trained when it has no DONE marker); settings:
   KEY=VALUE of configs/FAMILY_cpu.py:mini."""
   out = os.path.join(workdir, "pretrain", f"{family}_{name}")
   if not os.path.exists(out + ".done"):
     log(f"pretrain {family} on {name}" + (f" with {' '.join(settings)}" if settings else ""))
     variant = "smoke" if smoke else "mini"
-    t5x_like("train", "--config", os.path.join(CONFIGS, f"{family}_cpu.py:{variant}"),
-             "--workdir", out, f"--config.data.source=text:{corpus_glob}",
-             *(f"--config.{s}" for s in settings), log_file=out + ".log")
+    run_t5x_like("train", "--config", os.path.join(configs, f"{family}_cpu.py:{variant}"),
+                 "--workdir", out, f"--config.data.source=text:{corpus_glob}",
+                 *(f"--config.{s}" for s in settings), log_file=out + ".log")
     open(out + ".done", "w").close()
   return out
 
@@ -150,14 +118,14 @@ def pretrain(family: str, name: str, corpus_glob: str, workdir: str, smoke: bool
 def build_task(kind: str, count: int, seed: int, task_spec: str, workdir: str) -> str:
   folder = os.path.join(workdir, "tasks", kind, f"{count_name(count)}_s{seed}")
   if not os.path.exists(os.path.join(folder, "stats.json")):
-    from t5x_like.studies.text_tasks import build_text_task
+    from t5x_like.task_builders.text_tasks import build_text_task
     build_text_task(kind, task_spec, folder, per_class=count, seed=seed)
   return folder
 
 
 def finetune(family: str, arm: str, kind: str, task_dir: str, lr: float, seed: int,
              checkpoint: str, workdir: str, smoke: bool,
-             variant: tuple[str, list[str]] = ("", [])) -> dict:
+             variant: tuple[str, list[str]] = ("", []), *, configs: str) -> dict:
   """final_metrics.json of one fine-tuning run (run when missing). The run's folder
   names its step budget and variant (NAME, its `KEY=VALUE` config settings), so a
   changed budget or variant is a new run."""
@@ -171,21 +139,21 @@ def finetune(family: str, arm: str, kind: str, task_dir: str, lr: float, seed: i
   metrics_file = os.path.join(run, "final_metrics.json")
   if not os.path.exists(metrics_file):
     arg = f"{kind},family={family},dir={task_dir}" + (",smoke" if smoke else "")
-    args = ["finetune", "--config", os.path.join(CONFIGS, f"text_tasks.py:{arg}"),
+    args = ["finetune", "--config", os.path.join(configs, f"text_tasks.py:{arg}"),
             "--workdir", run, f"--config.optimizer.learning_rate={lr}",
             f"--config.seed={seed}", f"--config.train.num_steps={steps}",
             *(f"--config.{s}" for s in settings)]
     if checkpoint:
       args.append(f"--config.init.checkpoint={checkpoint}")
     started = time.time()
-    t5x_like(*args, log_file=run + ".log")
+    run_t5x_like(*args, log_file=run + ".log")
     log(f"{family} {arm} {kind} {os.path.basename(run)}: "
         f"{time.time() - started:.0f} s")
   with open(metrics_file) as f:
     return json.load(f)
 
 
-def baseline(family: str, task_dir: str, workdir: str) -> dict:
+def baseline(family: str, task_dir: str, workdir: str, *, configs: str) -> dict:
   out = os.path.join(workdir, "baseline", family, os.path.basename(os.path.dirname(task_dir)),
                      os.path.basename(task_dir) + ".json")
   if not os.path.exists(out):
@@ -195,7 +163,7 @@ def baseline(family: str, task_dir: str, workdir: str) -> dict:
     from t5x_like.finetune.splits import load_splits
     from t5x_like.finetune.tasks import task_from_config
     kind = os.path.basename(os.path.dirname(task_dir))
-    config = load_config_file(os.path.join(CONFIGS, f"text_tasks.py:{kind},family={family},"
+    config = load_config_file(os.path.join(configs, f"text_tasks.py:{kind},family={family},"
                                            f"dir={task_dir},smoke"))
     task = task_from_config(config.task)
     splits = load_splits(config, task, text_to_text=False)
@@ -274,6 +242,7 @@ def _flags(argv: list[str]) -> flags.FlagValues:
   flags.DEFINE_bool("random", True, "also the random-initialisation arm", flag_values=fv)
   flags.DEFINE_integer("jobs", 1, "fine-tuning runs at once", flag_values=fv)
   flags.DEFINE_bool("smoke", False, "tiny configs, 10 steps (tests)", flag_values=fv)
+  configs_flag(fv)
   return fv
 
 
@@ -312,6 +281,7 @@ def main(argv: Optional[list[str]] = None) -> int:
       raise FlagError(f"--pretrain_set {item!r}: expected NAME:KEY=VALUE with NAME one of"
                       f" the --pretrain corpora {sorted(corpora)}")
     pretrain_settings[name].append(setting)
+  configs = configs_dir(a.configs)
   workdir = os.path.abspath(a.workdir)
   results = os.path.join(workdir, "results.jsonl")
   rows = []
@@ -321,18 +291,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name, specs in corpora.items():
       corpus_glob = write_corpus(name, specs, a.task_source, workdir)
       checkpoints[name] = pretrain(family, name, corpus_glob, workdir, a.smoke,
-                                   tuple(pretrain_settings[name]))
+                                   tuple(pretrain_settings[name]), configs=configs)
     tasks = {(kind, count, seed): build_task(kind, count, seed, a.task_source, workdir)
              for kind in kinds for count in {*counts, select} for seed in {*seeds, 0}}
     for kind in kinds:
       for count in counts:
         for seed in seeds:
           rows.append(dict(family=family, kind=kind, count=count, seed=seed, arm="bag",
-                           **baseline(family, tasks[kind, count, seed], workdir)))
+                           **baseline(family, tasks[kind, count, seed], workdir,
+                                             configs=configs)))
     with concurrent.futures.ThreadPoolExecutor(a.jobs) as pool:
       def run(arm, kind, count, seed, lr):
         return pool.submit(finetune, family, arm, kind, tasks[kind, count, seed], lr, seed,
-                           checkpoints[arm], workdir, a.smoke, variant)
+                           checkpoints[arm], workdir, a.smoke, variant, configs=configs)
       grid = {(arm, kind, lr): run(arm, kind, select, 0, lr)
               for kind in kinds for arm in arms for lr in lrs}
       best = {}
@@ -366,21 +337,6 @@ def is_setting(text: str) -> bool:
 def parse_count(count: str) -> int:
   """'all' -> 0 (every example), else the number."""
   return 0 if count == "all" else int(count)
-
-
-def exit_with(main_fn, prog: str) -> None:
-  """A study's __main__: exit with main_fn()'s status; --help exits 0, a UserError is
-  one line and exit 2, a stopped child one line and its status (143, 130)."""
-  try:
-    sys.exit(main_fn())
-  except HelpShown:
-    sys.exit(0)
-  except ChildStopped as e:  # one line, the child's status: a launcher reruns it
-    print(f"{prog}: {e}", file=sys.stderr)
-    sys.exit(e.rc)
-  except UserError as e:
-    print_error(prog, e, debug=False)
-    sys.exit(2)
 
 
 if __name__ == "__main__":

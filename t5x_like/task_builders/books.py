@@ -124,7 +124,7 @@ def make_book_task(out_dir: str, *, num_blocks: int = 12, block_words: int = 500
                  num_blocks=num_blocks, block_words=block_words, passage_words=passage_words,
                  books=per_book)
   with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:
-    f.write("# The book task (t5x_like.studies.books)\n\nWhich book a passage comes from."
+    f.write("# The book task (t5x_like.task_builders.books)\n\nWhich book a passage comes from."
             f" {num_blocks} blocks of {block_words} words spread over each book are held"
             f" out of pretrain/; even blocks give train passages, odd ones dev passages, of"
             f" {passage_words} words: {len(rows['train'])} train, {len(rows['dev'])} dev."

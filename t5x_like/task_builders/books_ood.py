@@ -31,7 +31,7 @@ import re
 from typing import Optional, Sequence
 
 from t5x_like import corpus
-from t5x_like.studies.books import author, passages, region_rows, unwrap, write_splits
+from t5x_like.task_builders.books import author, passages, region_rows, unwrap, write_splits
 
 UNSEEN_BOOKS = ("carroll_alices_adventures_in_wonderland", "shelley_frankenstein",
                 "wells_the_time_machine")
@@ -130,7 +130,7 @@ def _write_task(out_dir: str, classes: dict[str, list[list[str]]], unseen: Seque
                  num_regions=num_regions, passage_words=passage_words,
                  per_region=per_region, classes=per_class, pretrain=pretrain)
   with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:
-    f.write(f"# {title} (t5x_like.studies.books_ood)\n\nPretrain on pretrain/ ("
+    f.write(f"# {title} (t5x_like.task_builders.books_ood)\n\nPretrain on pretrain/ ("
             f"{sum(pretrain.values())} words: {', '.join(pretrain)}); none of the task's"
             f" text is in it. Each class is cut into {num_regions} regions of consecutive"
             f" words; even regions give train passages, odd ones dev passages, {per_region}"
