@@ -231,3 +231,12 @@ def test_cli_vocab_train_too_large_a_vocabulary(tmp_path, capsys):
                  "--vocab-size", "60000", "--family", "t5", "--out", str(tmp_path)])
   assert rc == 2
   assert "argument --vocab-size" in capsys.readouterr().err
+
+
+def test_protobuf_wire_drops_a_sub_field_and_keeps_the_rest():
+  """A message written by hand from the protobuf encoding spec: field 1 = 1, field 3 =
+  {field 1 = 150 (a two-byte varint), field 6 = "x"}; dropping 3.6 keeps the rest."""
+  from t5x_like.data.protobuf_wire import drop_subfields
+  message = bytes([0x08, 0x01, 0x1A, 0x06, 0x08, 0x96, 0x01, 0x32, 0x01, ord("x")])
+  assert drop_subfields(message, {3: 6}) == bytes([0x08, 0x01, 0x1A, 0x03, 0x08, 0x96, 0x01])
+  assert drop_subfields(message, {3: 2}) == message  # no such sub-field: unchanged

@@ -32,6 +32,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import sentencepiece as spm
 
+from t5x_like.data.protobuf_wire import drop_subfields
 from t5x_like.errors import UserError
 from t5x_like.fs import PathLike, is_url, resolve_path
 
@@ -273,6 +274,9 @@ def default_vocab(family: str) -> Vocabulary:
 
 
 # ------------------------------------------------------------------ training
+_RULE_TSV = 6  # normalization_rule_tsv, inside NormalizerSpec
+
+
 def _without_tmp_paths(model_bytes: bytes) -> bytes:
   """The model with the (temporary) rule file paths cleared: reproducible bytes.
 
@@ -280,66 +284,7 @@ def _without_tmp_paths(model_bytes: bytes) -> bytes:
   = 3, denormalizer_spec = 5, their normalization_rule_tsv = 6), so that no protobuf
   runtime of a particular version is needed (sentencepiece's generated module pins one).
   """
-  return _drop_fields(model_bytes, {3: _RULE_TSV, 5: _RULE_TSV})
-
-
-_RULE_TSV = 6
-
-
-def _varint(data: bytes, at: int) -> tuple[int, int]:
-  value, shift = 0, 0
-  while True:
-    byte = data[at]
-    at += 1
-    value |= (byte & 0x7F) << shift
-    if byte < 0x80:
-      return value, at
-    shift += 7
-
-
-def _encode_varint(value: int) -> bytes:
-  out = bytearray()
-  while True:
-    byte = value & 0x7F
-    value >>= 7
-    if value:
-      out.append(byte | 0x80)
-    else:
-      out.append(byte)
-      return bytes(out)
-
-
-def _fields(message: bytes):
-  """(key, start, payload start, end) of each field of a protobuf wire-format message."""
-  at = 0
-  while at < len(message):
-    start = at
-    key, at = _varint(message, at)
-    body, wire = at, key & 7
-    if wire == 0:
-      _, at = _varint(message, at)
-    elif wire in (1, 5):
-      at += 8 if wire == 1 else 4
-    elif wire == 2:
-      size, body = _varint(message, at)
-      at = body + size
-    else:
-      raise ValueError(f"sentencepiece model: unexpected wire type {wire} at byte {start}")
-    yield key, start, body, at
-
-
-def _drop_fields(message: bytes, edits: dict) -> bytes:
-  """`message` (protobuf wire format) with, inside each length-delimited field k of
-  `edits`, the sub-field edits[k] removed."""
-  out = bytearray()
-  for key, start, body, end in _fields(message):
-    if key & 7 == 2 and key >> 3 in edits:
-      inner = b"".join(message[body:end][s:e] for k, s, _, e in _fields(message[body:end])
-                       if k >> 3 != edits[key >> 3])
-      out += _encode_varint(key) + _encode_varint(len(inner)) + inner
-    else:
-      out += message[start:end]
-  return bytes(out)
+  return drop_subfields(model_bytes, {3: _RULE_TSV, 5: _RULE_TSV})
 
 
 def trainer_options(family: str, vocab_size: int, *, model_type: str = "unigram",
