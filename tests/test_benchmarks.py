@@ -1,5 +1,5 @@
-"""GLUE, SuperGLUE and SQuAD from TFDS (t5x_like/benchmarks/registry.py, tfds_data.py,
-submission.py; configs/glue.py, superglue.py, squad.py; `t5x-like finetune-suite`).
+"""GLUE, SuperGLUE and SQuAD from TFDS (t5x_like/benchmarks/registry.py, tfds_source.py,
+outputs.py; configs/glue.py, superglue.py, squad.py; `t5x-like finetune-suite`).
 
 Datasets are built here in array_record with the real datasets' features
 (tests/tfds_fixtures.py), or mocked by tfds.testing.mock_data from those features;
