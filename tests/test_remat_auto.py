@@ -113,6 +113,17 @@ def test_auto_is_valid_and_a_typo_exits_2_naming_the_key(capsys):
   assert "model.remat_policy='atuo'" in err and "'auto'" in err
 
 
+def test_the_trainer_takes_the_choice_from_its_caller(tmp_path):
+  """train/ sits below plan/: the train command hands the trainer plan's chooser, and
+  the trainer refuses "auto" without one rather than train an unresolved policy."""
+  from t5x_like.train import loop
+  config = load_config_file(f"{CONFIGS / 'gpt_cpu.py'}:smoke")
+  config.model.remat_policy = "auto"
+  with pytest.raises(ValueError, match="choose_remat"):
+    loop.train(config, str(tmp_path / "w"))
+  assert not (tmp_path / "w").exists()
+
+
 def test_plan_text_says_what_auto_picked_and_why():
   total_of, _ = _fake({"none": "over", "dots": 15 * GIB, "dots_no_batch": 12 * GIB})
   lines = remat.choice_lines(remat.choose_remat(total_of, 16 * GIB).to_json())

@@ -41,9 +41,10 @@ def main(argv: list[str]) -> int:
 def _train(fv: flags.FlagValues, lock) -> int:
   initialize_distributed(fv, "train")
   from t5x_like.errors import NonFiniteLossError
+  from t5x_like.plan.remat import resolve_config_remat
   from t5x_like.train.loop import train
-  try:
-    result = train(fv.config, fv.workdir, lock=lock)
+  try:  # the trainer sits below plan/: the command hands it plan's remat chooser
+    result = train(fv.config, fv.workdir, lock=lock, choose_remat=resolve_config_remat)
   except NonFiniteLossError as e:
     print(f"t5x-like train: {e}", file=sys.stderr)
     return 1

@@ -26,6 +26,7 @@ import math
 from typing import Callable, Optional
 
 from t5x_like.models import build_model
+from t5x_like.parallel.device_memory import local_device_memory
 from t5x_like.plan.fit import OverMemory, compiled_total_bytes
 
 AUTO = "auto"
@@ -147,25 +148,18 @@ def compiled_totals(model, optimizer, schedule, mesh, rules, batch_shapes,
   return total_of
 
 
-def device_memory_bytes() -> Optional[int]:
-  """One local device's memory: memory_stats()['bytes_limit'] on GPU / TPU, the host's
-  RAM shared by the local devices on CPU (train/config_check.local_device_memory)."""
-  from t5x_like.train.config_check import local_device_memory  # config_check imports plan
-  return local_device_memory()
-
-
 def resolve_remat(model, optimizer, schedule, mesh, rules, batch_shapes, *,
                   microbatches: int = 1, memory_bytes: Optional[int] = None,
                   headroom: float = MEMORY_HEADROOM, rebuild=with_policy):
   """(model with the chosen policy, RematChoice) for a train step of `batch_shapes`
   (feature -> global shape) on `mesh`, compiled per candidate (choose_remat).
 
-  memory_bytes: one device's memory (default: device_memory_bytes() of the devices here).
+  memory_bytes: one device's memory (default: local_device_memory() of the devices here).
   rebuild(model, policy): the model with that policy (default with_policy: a pretraining
   model; a fine-tuning model passes its own constructor).
   """
   if memory_bytes is None:
-    memory_bytes = device_memory_bytes()
+    memory_bytes = local_device_memory()
   choice = choose_remat(compiled_totals(model, optimizer, schedule, mesh, rules, batch_shapes,
                                         microbatches, rebuild), memory_bytes, headroom=headroom)
   return rebuild(model, choice.policy), choice

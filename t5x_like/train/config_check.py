@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Any, Optional
 
 import jax
@@ -57,7 +56,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: Optional[int] = Non
   num_devices: the devices the mesh must fill (default: jax.device_count()).
   vocab_size: the vocabulary's size when model.overrides has none (None: not checked
   against the mesh).
-  device_memory_bytes: one device's memory (e.g. `local_device_memory()`); a step whose
+  device_memory_bytes: one device's memory (e.g. parallel.device_memory.local_device_memory()); a step whose
   activations cannot fit in it is refused. None: not checked.
   platform: where the step will run (tpu | gpu | cpu), for the attention kernel check;
   default jax.default_backend() (plan passes the topology's when it compiles for a TPU
@@ -354,20 +353,6 @@ def _check_batch(config, mesh: dict[str, int]) -> None:
     raise ConfigError(f"train.microbatches={t.microbatches}: each microbatch of"
                       f" train.batch_size={t.batch_size} must divide over the {shards} batch"
                       f" shards; use a divisor of {t.batch_size // shards}")
-
-
-def local_device_memory() -> Optional[int]:
-  """Bytes of memory of one local device: the accelerator's limit, or on CPU the host's
-  physical memory shared by the local (fake) devices; None when unknown."""
-  device = jax.local_devices()[0]
-  stats = device.memory_stats() if device.platform != "cpu" else None
-  if stats and stats.get("bytes_limit"):
-    return int(stats["bytes_limit"])
-  try:
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  except (ValueError, OSError, AttributeError):
-    return None
-  return host // jax.local_device_count()
 
 
 def _check_activation_memory(config, model: Model, mesh: dict[str, int],

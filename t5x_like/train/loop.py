@@ -10,7 +10,7 @@ train/runner.py's: both shared with fine-tuning.
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import ml_collections
@@ -18,13 +18,13 @@ import ml_collections
 from t5x_like import failpoints
 from t5x_like.data.loader import make_loader
 from t5x_like.data.mixture import Mixture, eval_sets, exhaustion_step
-from t5x_like.experiment import (build_data, build_mesh, build_model_from_config,
-                                 config_vocab, global_batch_shapes, model_name,
-                                 phase_configs)
+from t5x_like.experiment import (REMAT_AUTO, build_data, build_mesh,
+                                 build_model_from_config, config_vocab, global_batch_shapes,
+                                 model_name, phase_configs)
 from t5x_like.parallel import shard_batch
-from t5x_like.plan.remat import resolve_config_remat
+from t5x_like.parallel.device_memory import local_device_memory
 from t5x_like.train import flops as flops_lib
-from t5x_like.train.config_check import local_device_memory, validate
+from t5x_like.train.config_check import validate
 from t5x_like.train.metrics import perplexity, read_jsonl, summarize_train_metrics
 from t5x_like.train.optimizers import make_optimizer
 from t5x_like.train.preemption import RunResult
@@ -34,6 +34,9 @@ from t5x_like.train.saved_config import write_run_config
 from t5x_like.train.state import abstract_train_state, create_train_state
 from t5x_like.train.step import make_eval_step, make_train_step
 from t5x_like.workdir_lock import WorkdirLock
+
+# (config, model, optimizer, schedule, mesh, rules, vocab) -> (model, RematChoice or None)
+RematChooser = Callable[..., tuple]
 
 
 def _last_eval(jsonl_path: str) -> dict:
@@ -65,7 +68,8 @@ def _data_end(phase_config, objective, phases, phase: int) -> tuple[int, Optiona
 
 # =============================================================================== train
 def train(config: ml_collections.ConfigDict, workdir, *,
-          lock: Optional[WorkdirLock] = None) -> RunResult:
+          lock: Optional[WorkdirLock] = None,
+          choose_remat: Optional[RematChooser] = None) -> RunResult:
   """Trains config's model in workdir (a local path, relative or absolute, or a URL such
   as gs://...); resumes from its latest checkpoint.
 
@@ -75,7 +79,14 @@ def train(config: ml_collections.ConfigDict, workdir, *,
   data source, a locked workdir, ...) before writing anything to the workdir, and
   NonFiniteLossError on a NaN/inf loss. lock: the workdir's lock when the caller holds
   it (the train command takes it before importing jax); None takes it here.
+  choose_remat(config, model, optimizer, schedule, mesh, rules, vocab) -> (model, choice):
+  resolves model.remat_policy="auto" (the train command passes plan.remat's
+  resolve_config_remat, which compiles the step per policy; plan/ sits above the
+  trainer); the choice's summary() is logged. Required for "auto" only.
   """
+  if config.model.remat_policy == REMAT_AUTO and choose_remat is None:
+    raise ValueError('model.remat_policy="auto" needs choose_remat (the train command'
+                     " passes plan.remat.resolve_config_remat)")
   validate(config, jax.device_count(), vocab_size=config_vocab(config).vocab_size,
            device_memory_bytes=local_device_memory())
   tc = config.train
@@ -89,9 +100,10 @@ def train(config: ml_collections.ConfigDict, workdir, *,
     mesh, rules = build_mesh(config)
     batch_shapes = global_batch_shapes(objective, tc.batch_size)
     optimizer, schedule = make_optimizer(config.optimizer, tc.num_steps)
-    model, remat = resolve_config_remat(config, model, optimizer, schedule, mesh, rules, vocab)
-    if remat is not None:  # model.remat_policy="auto", chosen by compiling
-      run.writer.log(remat.summary())
+    if choose_remat is not None:  # model.remat_policy="auto", chosen by compiling
+      model, remat = choose_remat(config, model, optimizer, schedule, mesh, rules, vocab)
+      if remat is not None:
+        run.writer.log(remat.summary())
     run.writer.log(f"model {model_name(config)}: {model.num_params():,} params; mesh"
                    f" {dict(mesh.shape)}; {jax.process_count()} process(es); data"
                    f" {json.dumps({k: v for k, v in data_stats.items() if k != 'source'})};"
