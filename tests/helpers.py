@@ -127,3 +127,15 @@ def train_two_processes(config: str, workdir: str, *extra: str) -> list[tuple[in
       text=True) for i in range(2)]
   outputs = [p.communicate(timeout=600)[0] for p in procs]
   return [(p.returncode, out) for p, out in zip(procs, outputs)]
+
+
+def random_token_store(num_docs: int, seed: int = 0, *, tokens: tuple[int, int],
+                       sentence_lengths: tuple[int, int], sentences: tuple[int, int]):
+  """A TokenStore of num_docs documents: each of rng.integers(*sentences) sentences, each
+  of rng.integers(*sentence_lengths) token ids drawn from rng.integers(*tokens)."""
+  import numpy as np
+  from t5x_like.data.store import TokenStore
+  rng = np.random.default_rng(seed)
+  return TokenStore.from_documents(
+      [[rng.integers(*tokens, rng.integers(*sentence_lengths))
+        for _ in range(rng.integers(*sentences))] for _ in range(num_docs)])

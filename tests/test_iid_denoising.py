@@ -8,7 +8,7 @@ import pytest
 
 from t5x_like.data.iid_denoising import IidDenoising
 from t5x_like.data.pipeline import OBJECTIVES, make_objective
-from t5x_like.data.store import TokenStore
+from helpers import random_token_store
 from references import stream_order
 from t5x_like.data.vocab import default_vocab
 from t5x_like.train.config_check import ConfigError, validate
@@ -18,10 +18,8 @@ V, EOS, LENGTH = 1000, 1, 64
 
 
 def _store(num_docs=40, seed=0):
-  rng = np.random.default_rng(seed)
-  return TokenStore.from_documents(
-      [[rng.integers(2, 900, rng.integers(5, 30)) for _ in range(rng.integers(2, 8))]
-       for _ in range(num_docs)])
+  return random_token_store(num_docs, seed, tokens=(2, 900), sentence_lengths=(5, 30),
+                            sentences=(2, 8))
 
 
 def _stream(store, seed, epoch):

@@ -7,16 +7,15 @@ from t5x_like.data.lm import CausalLM, PrefixLM
 from t5x_like.data.objective import example_rng
 import t5x_like.data.store as store_module
 from t5x_like.data.store import TokenStore
+from helpers import random_token_store
 from references import stream_order
 
 EOS = 99
 
 
 def random_store(num_docs=30, seed=0):
-  rng = np.random.default_rng(seed)
-  return TokenStore.from_documents(
-      [[rng.integers(2, 90, rng.integers(1, 15)) for _ in range(rng.integers(1, 6))]
-       for _ in range(num_docs)])
+  return random_token_store(num_docs, seed, tokens=(2, 90), sentence_lengths=(1, 15),
+                            sentences=(1, 6))
 
 
 def stream_and_doc_starts(store, seed, epoch):

@@ -9,7 +9,7 @@ import pytest
 from t5x_like.data.objective import example_rng
 from t5x_like.data.span_corruption import (SpanCorruption, _corrupt_batch, span_corruption,
                                            span_corruption_lengths)
-from t5x_like.data.store import TokenStore
+from helpers import random_token_store
 from references import stream_order
 
 V = 32100
@@ -134,10 +134,8 @@ def test_noise_statistics_match_the_parameters():
 
 
 def make_store(num_docs=40, seed=0):
-  rng = np.random.default_rng(seed)
-  docs = [[rng.integers(2, 30000, rng.integers(1, 40)) for _ in range(rng.integers(1, 20))]
-          for _ in range(num_docs)]
-  return TokenStore.from_documents(docs)
+  return random_token_store(num_docs, seed, tokens=(2, 30000), sentence_lengths=(1, 40),
+                            sentences=(1, 20))
 
 
 def epoch_stream(store, seed, epoch):

@@ -7,6 +7,7 @@ import pytest
 
 import t5x_like.data.store as store_module
 from t5x_like.data.store import TokenStore
+from helpers import random_token_store
 from t5x_like.data.streams import EpochStream
 
 SEP = 7
@@ -34,10 +35,8 @@ def reference(store, seed, epoch, separator, k):
 
 
 def random_store(num_docs, seed=0):
-  rng = np.random.default_rng(seed)
-  return TokenStore.from_documents(
-      [[rng.integers(10, 500, rng.integers(1, 6)) for _ in range(rng.integers(1, 4))]
-       for _ in range(num_docs)])
+  return random_token_store(num_docs, seed, tokens=(10, 500), sentence_lengths=(1, 6),
+                            sentences=(1, 4))
 
 
 class CountingStore:
