@@ -285,3 +285,11 @@ def draw(graph: dict[str, set[str]] = GRAPH) -> str:
 if __name__ == "__main__":
   print(draw())
 
+
+def test_fine_tuning_imports_neither_the_benchmarks_nor_plan():
+  """finetune/ takes its data source (benchmarks/task_data.py for a benchmark) and its
+  remat chooser (plan/remat.py) from the caller: it imports neither room (issue 56 item 1)."""
+  wrong = sorted((m, i) for m, imports in GRAPH.items() if m.startswith("t5x_like.finetune")
+                 for i in imports if i.startswith(("t5x_like.benchmarks", "t5x_like.plan")))
+  assert wrong == []
+  assert "t5x_like.finetune.splits" in GRAPH["t5x_like.benchmarks.task_data"]  # the seam

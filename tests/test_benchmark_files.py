@@ -27,7 +27,7 @@ from helpers import ROOT, cli_command, load_config, run_child
 from t5x_like.benchmarks import files_source, sources
 from t5x_like.benchmarks.registry import BenchmarkError, benchmark
 from t5x_like.errors import UserError
-from t5x_like.finetune.splits import run_task
+from t5x_like.benchmarks.task_data import benchmark_task as run_task
 
 GLUE_DIR = os.path.join(ROOT, "..", "shared", "data", "glue")
 CONFIG_FILE = {"glue": "glue", "super_glue": "superglue", "squad": "squad"}
@@ -363,14 +363,14 @@ def test_malformed_jsonl_row_is_a_bad_row(tmp_path):
 
 # ------------------------------------------------------------------ end to end
 def test_load_splits_reads_the_files(files_dir):
-  """The fine-tuning run's splits (finetune/splits.py) through the files: MNLI's two dev
+  """The fine-tuning run's splits (benchmarks/task_data.py) through the files: MNLI's two dev
   and two test splits, limits, labels from train, unlabeled tests."""
-  from t5x_like.finetune.splits import load_splits
+  from t5x_like.benchmarks.task_data import benchmark_splits
   config = load_config("glue", "mnli,smoke")
   config.benchmark.data_dir = files_dir
   config.benchmark.max_eval_examples = 1
   sources.check_benchmark(config.benchmark)
-  splits = load_splits(config, run_task(config, False), False)
+  splits = benchmark_splits(config, run_task(config, False), False)
   assert len(splits.train.examples) == 6 and splits.train.labeled
   assert splits.train.labels == ("entailment", "neutral", "contradiction")
   assert {k: len(v.examples) for k, v in splits.dev.items()} == {

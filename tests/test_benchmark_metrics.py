@@ -10,6 +10,7 @@ import pytest
 import scipy.stats
 from sklearn import metrics as sk
 
+from t5x_like.benchmarks import metrics as benchmark_metrics
 from t5x_like.finetune import metrics
 
 
@@ -105,8 +106,8 @@ def test_glue_score_averages_each_task_then_the_tasks():
              "stsb": {"pearson": 80.0, "spearman": 60.0},
              "mnli": {"accuracy_matched": 84.0, "accuracy_mismatched": 83.0}}
   # Task scores 50, 85, 70, 83.5; their mean:
-  assert metrics.glue_score(results) == pytest.approx((50 + 85 + 70 + 83.5) / 4)
+  assert benchmark_metrics.glue_score(results) == pytest.approx((50 + 85 + 70 + 83.5) / 4)
   with pytest.raises(ValueError, match="no task results"):
-    metrics.glue_score({})
+    benchmark_metrics.glue_score({})
   with pytest.raises(ValueError, match="'rte' has no metrics"):
-    metrics.glue_score({"rte": {}})
+    benchmark_metrics.glue_score({"rte": {}})

@@ -46,6 +46,7 @@ def data_dir(tmp_path_factory):
 
 
 def _finetune(name: str, family: str, data_dir: str, workdir, **overrides):
+  from t5x_like.benchmarks.task_data import task_data
   from t5x_like.finetune.loop import finetune
   suite, task = name.split("/")
   config = load_config(CONFIG_FILE[suite], f"{task},smoke,family={family}")
@@ -53,7 +54,7 @@ def _finetune(name: str, family: str, data_dir: str, workdir, **overrides):
   for key, value in overrides.items():
     section, field = key.split(".")
     config[section][field] = value
-  result = finetune(config, str(workdir))
+  result = finetune(config, str(workdir), data=task_data(config))
   assert result.status == "finished"
   return result
 

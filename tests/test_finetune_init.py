@@ -235,3 +235,21 @@ def test_the_random_arm_says_so(tmp_path, stsb_data_dir, main_job, capsys):
   # STS-B pairs at 8 tokens: most are cut, and the run says so with the key to raise
   assert re.search(r"warning: \d+ of 16 training examples \(\d+%\) are cut at"
                    r" task.max_length=8 tokens; raise task.max_length", out), out
+
+
+def test_remat_auto_needs_a_chooser_from_the_caller(tmp_path):
+  """finetune/ sits below plan/: the command hands finetune() plan's remat chooser, and
+  a backbone that says "auto" without one is refused before anything is written."""
+  from t5x_like.finetune.loop import finetune
+  bert, pretrain = os.path.join(ROOT, "configs", "bert_cpu.py:smoke"), tmp_path / "auto.py"
+  pretrain.write_text("from t5x_like.command_flags import load_config_file\n\n\n"
+                      "def get_config():\n"
+                      f"  c = load_config_file({bert!r})\n"
+                      "  c.model.remat_policy = 'auto'\n  return c\n")
+  config = load_config("glue", "rte,smoke")
+  config.benchmark.name = ""
+  config.task.train_file = config.task.dev_file = str(pretrain)  # exists; never read
+  config.init.config = str(pretrain)
+  with pytest.raises(ValueError, match="choose_remat"):
+    finetune(config, str(tmp_path / "w"))
+  assert not (tmp_path / "w").exists()

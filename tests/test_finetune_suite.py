@@ -22,10 +22,12 @@ from helpers import ROOT, cli_command, run_child
 from tfds_fixtures import LABELS, build_benchmark
 from t5x_like import cli
 from t5x_like.benchmarks.registry import BenchmarkError, benchmark
+from t5x_like.benchmarks import suite as suite_runner
+from t5x_like.benchmarks.suite_table import summarize, table
+from t5x_like.benchmarks.task_data import benchmark_splits, benchmark_task, hold_out
 from t5x_like.commands import finetune_suite
 from t5x_like.finetune.data import Dataset
 from t5x_like.finetune.evaluate import prediction_rows
-from t5x_like.finetune.splits import hold_out
 from t5x_like.finetune.task import Example
 from t5x_like.finetune.tasks import make_task
 
@@ -60,7 +62,9 @@ def test_grid_point_runs_on_a_held_out_split_of_train(tmp_path):
           "--config.seed=7", "--config.optimizer.weight_decay=0.1"]
   fv = finetune_suite.parse_flags("finetune-suite", argv, finetune_suite._flags,
                                   required=("config", "workdir"))
-  suite = finetune_suite._Suite(fv, argv, SMOKE.split("=", 1)[1])
+  suite = suite_runner.Suite(suite_runner.SuiteFlags(
+      fv.config, fv.workdir, fv.tasks, fv.init, fv.lr_grid, fv.lr_holdout, argv),
+      finetune_suite.finetune_config)
   argv = suite.argv_of("mrpc", "1e-4", grid_point=True)
   assert argv[1] == f"--workdir={tmp_path}/lr_grid/mrpc/1e-4"
   config = suite.config_of(argv)
@@ -72,8 +76,8 @@ def test_grid_point_runs_on_a_held_out_split_of_train(tmp_path):
   final = suite.config_of(suite.argv_of("mrpc", "3e-4"))
   assert final.optimizer.learning_rate == pytest.approx(3e-4)
   assert (final.benchmark.holdout_fraction, final.benchmark.predict_test) == (0.0, True)
-  with pytest.raises(finetune_suite.FlagError, match="--lr_grid: 'fast'"):
-    finetune_suite.learning_rates(["1e-4", "fast"])
+  with pytest.raises(suite_runner.FlagError, match="--lr_grid: 'fast'"):
+    suite_runner.learning_rates(["1e-4", "fast"])
 
 
 # ------------------------------------------------------------- a partial suite says so
@@ -84,23 +88,23 @@ def _rows(scores: dict) -> dict:
 
 def test_partial_suite_says_how_many_tasks_its_mean_covers():
   rows = _rows({"cola": {"mcc": 20.0}, "mrpc": {"f1": 80.0, "accuracy": 70.0}})
-  summary = finetune_suite.summarize("glue", rows)
+  summary = summarize("glue", rows)
   assert summary["score"] == pytest.approx((20.0 + 75.0) / 2)
   assert summary["score_name"] == "mean of 2 of GLUE's 9 tasks"
   assert (summary["complete"], summary["tasks_covered"], summary["num_tasks_covered"],
           summary["num_suite_tasks"]) == (False, ["cola", "mrpc"], 2, 9)
-  printed = finetune_suite.table(summary)
+  printed = table(summary)
   assert printed.splitlines()[-1].split() == ["glue", "mean", "of", "2", "of", "GLUE's", "9",
                                               "tasks", "47.5"]
   assert "GLUE score" not in printed
   every = {t: {"accuracy": 50.0 + k} for k, t in enumerate(
       ["cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli"])}
-  full = finetune_suite.summarize("glue", _rows(every))
+  full = summarize("glue", _rows(every))
   assert (full["score_name"], full["complete"]) == ("GLUE score", True)
   assert full["score"] == pytest.approx(54.0)
-  assert "glue  GLUE score" in finetune_suite.table(full)
+  assert "glue  GLUE score" in table(full)
   # SuperGLUE's MultiRC, ReCoRD and WSC have no config: never "the SuperGLUE score"
-  superglue = finetune_suite.summarize("super_glue", _rows(
+  superglue = summarize("super_glue", _rows(
       {t: {"accuracy": 60.0} for t in ["boolq", "cb", "copa", "rte", "wic"]}))
   assert superglue["score_name"] == "mean of 5 of SuperGLUE's 8 tasks"
 
@@ -108,15 +112,15 @@ def test_partial_suite_says_how_many_tasks_its_mean_covers():
 def test_table_shows_each_tasks_pick_and_every_rates_held_out_score():
   rows = _rows({"rte": {"accuracy": 55.0}, "cola": {"mcc": 10.0}})
   rows["rte"]["lr_grid"] = {"learning_rate": "1e-4", "scores": {"3e-4": 50.0, "1e-4": 61.25}}
-  lines = finetune_suite.table(finetune_suite.summarize("glue", rows)).splitlines()
+  lines = table(summarize("glue", rows)).splitlines()
   assert "lr picked (held-out score per lr)" in lines[0]
   assert lines[1].split()[-5:] == ["1e-4", "(3e-4", "50.0,", "1e-4", "61.2)"]
   assert lines[2].split()[-1] == "-"  # cola ran without the grid
 
 
 def test_pick_learning_rate_takes_the_best_and_the_first_on_a_tie():
-  assert finetune_suite.pick_learning_rate({"3e-4": 50.0, "1e-4": 62.0, "5e-5": 61.0}) == "1e-4"
-  assert finetune_suite.pick_learning_rate({"3e-4": 60.0, "1e-4": 60.0}) == "3e-4"
+  assert suite_runner.pick_learning_rate({"3e-4": 50.0, "1e-4": 62.0, "5e-5": 61.0}) == "1e-4"
+  assert suite_runner.pick_learning_rate({"3e-4": 60.0, "1e-4": 60.0}) == "3e-4"
 
 
 # ------------------------------------------------------------- the held-out split
@@ -149,7 +153,6 @@ def test_hold_out_is_a_seeded_split_of_train_in_its_order():
 def test_holdout_config_reads_train_only(rte_only, monkeypatch):
   from helpers import load_config
   from t5x_like.benchmarks import sources
-  from t5x_like.finetune.splits import load_splits, run_task
   read, real = [], sources.read_benchmark_split
   monkeypatch.setattr(sources, "read_benchmark_split",
                       lambda bench, split, *a, **kw: read.append(split) or real(
@@ -157,8 +160,8 @@ def test_holdout_config_reads_train_only(rte_only, monkeypatch):
   config = load_config("glue", "rte,smoke")
   config.benchmark.data_dir = rte_only
   config.benchmark.holdout_fraction = 0.25
-  task = run_task(config, False)
-  splits = load_splits(config, task, False)
+  task = benchmark_task(config, False)
+  splits = benchmark_splits(config, task, False)
   assert read == ["train"]  # never dev, never test
   assert list(splits.dev) == ["holdout"] and splits.test == {}
   assert (len(splits.train.examples), len(splits.main_dev.examples)) == (18, 6)
@@ -210,7 +213,7 @@ def test_a_signal_stops_the_suite_before_its_next_run(when, rte_only, tmp_path, 
   from t5x_like.train.preemption import RunResult
   started = []
 
-  def finetune(config, workdir):
+  def finetune(config, workdir, **_):  # data=, choose_remat=
     started.append(os.path.relpath(workdir, tmp_path))
     if when == "between_runs":
       signal.raise_signal(signal.SIGTERM)  # no run's handler here: the suite's takes it

@@ -9,5 +9,11 @@ and how it is scored.
   sources      a benchmark's splits: from files_source where data_dir holds the task's
                own files (GLUE TSV, SuperGLUE JSONL, SQuAD JSON), else tfds_source (a
                TFDS array_record build); the same examples either way
+  task_data    a benchmark as fine-tuning's data source (finetune/task_data.TaskData):
+               task, splits and hold-out, checks, outputs; task_data(config) picks the
+               source of a config
   outputs      a run's official metrics and submission files
+  metrics      the GLUE score
+  suite        the finetune-suite runner (every task, the learning-rate grid);
+               suite_table its table and suite.json
 """

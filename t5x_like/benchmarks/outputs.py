@@ -1,7 +1,7 @@
 """A benchmark run's outputs: the official metrics of every dev split and the
 submission files of its test splits (benchmarks/registry.py says their formats).
 
-  final.update(benchmark_outputs(splits, model, workdir, dev_rows=rows, predict=fn))
+  final.update(benchmark_outputs(bench, splits, workdir, predict=predictions.rows))
 
 workdir/submission/ gets the benchmark's files: GLUE's CoLA.tsv ... (index, prediction),
 SuperGLUE's BoolQ.jsonl ... ({"idx", "label"}), SQuAD's predictions.json (id -> answer
@@ -17,23 +17,21 @@ import jax
 import numpy as np
 
 from t5x_like import fs
-from t5x_like.benchmarks.registry import write_submission
+from t5x_like.benchmarks.registry import Benchmark, write_submission
 from t5x_like.finetune.data import Dataset
-from t5x_like.finetune.splits import Splits
+from t5x_like.finetune.task_data import Splits
 
 
-def benchmark_outputs(splits: Splits, model, workdir: str, *, dev_rows: list[dict],
+def benchmark_outputs(bench: Benchmark, splits: Splits, workdir: str, *,
                       predict: Callable[[tuple[str, str], Dataset], list[dict]]) -> dict:
   """{'official': the leaderboard's metrics of the dev splits (test_* too where a test
   split has labels), 'score': their mean, 'submissions': the files written}.
 
-  dev_rows: the main dev split's prediction rows (finetune/evaluate.prediction_rows);
-  predict(("dev" | "test", split), dataset) gives another split's. Every process calls
-  this (prediction is collective); process 0 writes the files."""
-  bench, labels = splits.benchmark, splits.train.labels
-  rows = {("dev", name): dev_rows if dataset is splits.main_dev else predict(("dev", name),
-                                                                               dataset)
-          for name, dataset in splits.dev.items()}
+  predict(("dev" | "test", split), dataset): the split's prediction rows
+  (finetune/evaluate.prediction_rows). Every process calls this (prediction is
+  collective); process 0 writes the files."""
+  labels = splits.train.labels
+  rows = {("dev", name): predict(("dev", name), dataset) for name, dataset in splits.dev.items()}
   rows.update({("test", name): predict(("test", name), dataset)
                for name, dataset in splits.test.items()})
   official = bench.official_metrics({name: rows["dev", name] for name in splits.dev}, labels,

@@ -65,10 +65,15 @@ def main(argv: list[str]) -> int:
 
 def _finetune(fv: flags.FlagValues, lock) -> int:
   initialize_distributed(fv, "finetune")
-  from t5x_like.finetune.loop import finetune
+  from t5x_like.benchmarks.task_data import task_data
   from t5x_like.errors import NonFiniteLossError
+  from t5x_like.finetune.loop import finetune
+  from t5x_like.plan.remat import resolve_remat
   try:  # a UserError (config, rows, backbone, checkpoint) is reported by t5x_like.cli
-    final = finetune(fv.config, fv.workdir, lock=lock)
+    # The command picks the data source (a benchmark's or the task files) and hands the
+    # run plan/'s remat chooser (model.remat_policy="auto"): finetune/ imports neither.
+    final = finetune(fv.config, fv.workdir, data=task_data(fv.config),
+                     choose_remat=resolve_remat, lock=lock)
   except NonFiniteLossError as e:
     print(f"t5x-like finetune: {e}", file=sys.stderr)
     return 1

@@ -1,10 +1,15 @@
 """Fine-tuning: task data, tokenizers (sentencepiece and BERT WordPiece), task types,
-the FinetuneModel (model contract: the train step trains it), metrics, the runner. The
-benchmarks it runs are t5x_like/benchmarks/; experiments on top, t5x_like/studies/.
+the FinetuneModel (model contract: the train step trains it), metrics, the runner. Its
+data comes from the caller (task_data); the benchmarks are one source,
+t5x_like/benchmarks/, which this package never imports; experiments on top,
+t5x_like/studies/.
 
   task       the Task interface: parse a row, encode it, head, loss, metrics
   tasks/     the task types, one file each, and their registry (TASKS, make_task)
   data       CSV / JSONL -> a task's Examples (read_examples, DataError)
+  task_data  TaskData, the seam to a run's data source: its task, splits, checks and
+             outputs after evaluation
+  splits     the CSV / JSONL files' TaskData (FileTaskData)
   wordpiece  BERT's BasicTokenizer + WordPiece from a vocab.txt
   tokenizer  one small interface over both (as_tokenizer)
   encoding   the encodings tasks build on (BERT pairs, GPT pairs, text to text), and

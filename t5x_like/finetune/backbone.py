@@ -11,6 +11,8 @@ the config.py that `t5x-like train` saved in init.checkpoint's workdir
 (train/saved_config.py), else init.default_config (a benchmark config's BERT-base or
 T5 base). A backbone found so, not named by the user, also sets the length: a
 task.max_length above its learned positions is cut to them (a log line says so).
+resolve_init parses init.config's file once for the run (PretrainConfig); the config
+check and load_backbone take it from there.
 """
 
 from __future__ import annotations
@@ -38,10 +40,36 @@ class Backbone(NamedTuple):
   remat_auto: bool = False  # the pretraining config's model.remat_policy is "auto"
 
 
+class PretrainConfig(NamedTuple):
+  """init.config's pretraining config file, parsed once per run (parse_pretrain_config):
+  the config and its vocabulary, or the error that stopped them (the config check
+  reports it, naming the key)."""
+  spec: str  # init.config: "file.py[:arg]"
+  config: Any  # its ConfigDict; None: the file was not found (error)
+  vocab: Any  # its vocabulary (experiment.config_vocab); None: see error
+  error: Optional[Exception] = None
+
+
+def parse_pretrain_config(spec: str) -> PretrainConfig:
+  """The pretraining config `spec` names and its vocabulary (PretrainConfig)."""
+  from t5x_like.command_flags import load_config_file
+  from t5x_like.experiment import config_vocab
+  try:
+    pretrain = load_config_file(spec)
+  except FileNotFoundError as e:
+    return PretrainConfig(spec, None, None, e)
+  try:
+    vocab = config_vocab(pretrain)
+  except (OSError, ValueError) as e:  # a missing data.vocab, an unknown data.objective
+    return PretrainConfig(spec, pretrain, None, e)
+  return PretrainConfig(spec, pretrain, vocab)
+
+
 class ResolvedInit(NamedTuple):
   config: Any  # the finetune config with init.config filled in (see resolve_init)
   origin: str  # where init.config came from, for the log and the errors
   notes: tuple[str, ...]  # lines for the run's log
+  pretrain: Optional[PretrainConfig] = None  # init.config parsed; None: no init.config
 
 
 def resolve_init(config) -> ResolvedInit:
@@ -49,10 +77,13 @@ def resolve_init(config) -> ResolvedInit:
   config.py saved by the train run that init.checkpoint names, else
   init.default_config; a copy, with task.max_length cut to that backbone's learned
   positions when it has fewer. Unchanged when init.config or init.hf is set, or when
-  there is nothing to fill in (load_backbone then says what to set)."""
+  there is nothing to fill in (load_backbone then says what to set). Its pretrain:
+  init.config parsed, where it is set and init.hf is not."""
   init = config.init
   if init.hf or init.config:
-    return ResolvedInit(config, "config.init.config" if init.config else "config.init.hf", ())
+    pretrain = parse_pretrain_config(init.config) if init.config and not init.hf else None
+    return ResolvedInit(config, "config.init.config" if init.config else "config.init.hf", (),
+                        pretrain)
   saved = saved_config_path(init.checkpoint)
   if saved:
     chosen, origin = saved, f"saved by the train run in {train_workdir(init.checkpoint)}"
@@ -70,24 +101,25 @@ def resolve_init(config) -> ResolvedInit:
   config = config.copy_and_resolve_references()
   config.init.config = chosen
   notes = [f"init.config: {chosen} ({origin})"]
-  positions = _learned_positions(config)
+  pretrain = parse_pretrain_config(chosen)
+  positions = _learned_positions(pretrain, config.init.model_overrides)
   if positions is not None and config.task.max_length > positions:
     notes.append(f"task.max_length: {config.task.max_length} -> {positions}, the learned"
                  f" positions of {chosen}")
     config.task.max_length = positions
-  return ResolvedInit(config, origin, tuple(notes))
+  return ResolvedInit(config, origin, tuple(notes), pretrain)
 
 
-def _learned_positions(config) -> Optional[int]:
-  """max_position_embeddings of init.config's model (with init.model_overrides) when its
-  positions are learned; None otherwise, or when the config does not load (the config
-  check then names the problem)."""
-  from t5x_like.command_flags import load_config_file
-  from t5x_like.experiment import config_vocab, model_config_from
+def _learned_positions(pretrain: PretrainConfig, model_overrides) -> Optional[int]:
+  """max_position_embeddings of the pretraining config's model (with
+  init.model_overrides) when its positions are learned; None otherwise, or when the
+  config does not load (the config check then names the problem)."""
+  from t5x_like.experiment import model_config_from
+  if pretrain.vocab is None:
+    return None
   try:
-    pretrain = load_config_file(config.init.config)
-    model_config = model_config_from(pretrain, config_vocab(pretrain).vocab_size).replace(
-        **dict(config.init.model_overrides))
+    model_config = model_config_from(pretrain.config, pretrain.vocab.vocab_size).replace(
+        **dict(model_overrides))
   except (OSError, ValueError, TypeError, KeyError, AttributeError):
     return None
   if model_config.position_embedding != "learned":
@@ -121,11 +153,13 @@ def _hf_tokenizer(config, path: str, hf_model_type: str) -> Tokenizer:
                       " sentencepiece .model")
 
 
-def load_backbone(config, origin: Optional[str] = None) -> Backbone:
-  """The backbone named by config.init (see the module docstring). origin: where
-  init.config came from, when the caller resolved it (resolve_init); None resolves here."""
+def load_backbone(config, origin: Optional[str] = None,
+                  pretrain: Optional[PretrainConfig] = None) -> Backbone:
+  """The backbone named by config.init (see the module docstring). origin, pretrain:
+  where init.config came from and its parsed file, when the caller resolved it
+  (resolve_init); None resolves (and parses) here."""
   if origin is None:
-    config, origin = resolve_init(config)[:2]
+    config, origin, _, pretrain = resolve_init(config)
   init = config.init
   overrides = dict(init.model_overrides)
   if bool(init.hf) == bool(init.config):
@@ -139,23 +173,24 @@ def load_backbone(config, origin: Optional[str] = None) -> Backbone:
     model, params = hf.load(init.hf, **overrides)
     return Backbone(model.config, _hf_tokenizer(config, init.hf, model.hf_model_type),
                     params, f"Hugging Face checkpoint {init.hf}")
-  from t5x_like.command_flags import load_config_file
-  from t5x_like.experiment import build_model_from_config, config_vocab
-  try:
-    pretrain = load_config_file(init.config)
-  except FileNotFoundError as e:
-    raise BackboneError(f"config.init.config: {e}") from None
-  vocab = config_vocab(pretrain)
-  model_config = build_model_from_config(pretrain, vocab.vocab_size).config
+  from t5x_like.experiment import build_model_from_config
+  parsed = (pretrain if pretrain is not None and pretrain.spec == init.config else
+            parse_pretrain_config(init.config))
+  if parsed.config is None:
+    raise BackboneError(f"config.init.config: {parsed.error}") from None
+  if parsed.vocab is None:
+    raise parsed.error
+  pretrain_config, vocab = parsed.config, parsed.vocab
+  model_config = build_model_from_config(pretrain_config, vocab.vocab_size).config
   if overrides:
     model_config = model_config.replace(**overrides)
   if not init.checkpoint:
     return Backbone(model_config, _tokenizer(config, vocab), None,
                     f"random initialisation of {init.config}",
-                    pretrain.model.remat_policy == "auto")
+                    pretrain_config.model.remat_policy == "auto")
   from t5x_like.train.pretrained import load_pretrained
   try:
-    loaded = load_pretrained(pretrain, init.checkpoint,
+    loaded = load_pretrained(pretrain_config, init.checkpoint,
                              step=None if init.step < 0 else int(init.step))
   except IncompatibleCheckpointError as e:
     raise IncompatibleCheckpointError(
@@ -164,4 +199,4 @@ def load_backbone(config, origin: Optional[str] = None) -> Backbone:
         f" {init.checkpoint}") from None
   return Backbone(model_config, _tokenizer(config, vocab), loaded.params,
                   f"{init.config} checkpoint step {loaded.step} in {init.checkpoint}",
-                  pretrain.model.remat_policy == "auto")
+                  pretrain_config.model.remat_policy == "auto")

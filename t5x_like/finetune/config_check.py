@@ -1,60 +1,56 @@
 """Validation of a fine-tuning config before anything is read or built: the train
 command's checks (train/config_check.py) on finetune/defaults.py's schema.
 
-  validate_finetune(config, num_devices=jax.device_count())  # raises a UserError
+  validate_finetune(config, num_devices=jax.device_count(), data=data, pretrain=pretrain)
+  # raises a UserError
 
-Every message names the offending key. Checks: unknown keys and wrong types; finite
-numbers; the seed; the task and its options (tasks.task_from_config); the task files;
-train numbers; the optimizer; the mesh against the device count and the batch against
-its shards; and, where config.init.config names the backbone, its model (the
-pretraining config's model section with init.model_overrides), its positions against
-task.max_length and its parameters against the mesh.
+Every message names the offending key. Checks, in one pass: unknown keys and wrong
+types; finite numbers; the seed; the task and its options (data.task: the source's
+Task); the data source's own checks (data.check: the task files, or the benchmark's
+data); train numbers; the optimizer; the mesh against the device count and the batch
+against its shards; and, where config.init.config names the backbone, its model (the
+pretraining config's model section with init.model_overrides, from the file that
+resolve_init parsed), its positions against task.max_length and its parameters
+against the mesh.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import jax
 
-from t5x_like.experiment import config_vocab
+from t5x_like.finetune.backbone import PretrainConfig, parse_pretrain_config
 from t5x_like.finetune.defaults import default_finetune_config
+from t5x_like.finetune.splits import FileTaskData
 from t5x_like.finetune.task import Task
-from t5x_like.finetune.splits import run_task
-from t5x_like.benchmarks.sources import check_benchmark
+from t5x_like.finetune.task_data import TaskData
 from t5x_like.models import build_model, model_class
 from t5x_like.models.config import ModelConfig
 from t5x_like.train.config_check import (ConfigError, check_fields, check_finite, check_mesh,
                                          check_model, check_optimizer, check_schema,
                                          check_seed, positive)
-from t5x_like.command_flags import load_config_file
 
 # Sections whose contents are free-form (checked separately below).
 _OPEN = {"init.model_overrides", "mesh.rules"}
 
 
 def validate_finetune(config, num_devices: Optional[int] = None,
-                      platform: Optional[str] = None) -> None:
-  """Raises ConfigError (TaskConfigError for config.task's name and options) for the
-  first problem found. num_devices: the devices the mesh must fill (default:
-  jax.device_count()); platform: where it runs (default: here)."""
+                      platform: Optional[str] = None, *, data: Optional[TaskData] = None,
+                      pretrain: Optional[PretrainConfig] = None) -> None:
+  """Raises ConfigError (TaskConfigError for config.task's name and options; the data
+  source's own, e.g. BenchmarkError) for the first problem found. num_devices: the
+  devices the mesh must fill (default: jax.device_count()); platform: where it runs
+  (default: here); data: the run's data source (default: config.task's files);
+  pretrain: init.config parsed (resolve_init's; None: parsed here)."""
   if num_devices is None:
     num_devices = jax.device_count()
+  data = FileTaskData() if data is None else data
   check_schema(config, default_finetune_config(), _OPEN)
   check_finite(config)
   check_seed(config)
-  task = run_task(config, text_to_text=False)
-  if config.benchmark.name:
-    check_benchmark(config.benchmark)
-  for key in () if config.benchmark.name else ("train_file", "dev_file"):
-    if not config.task[key]:
-      raise ConfigError(f"task.{key} is required (a CSV or JSONL file)")
-    if not os.path.isfile(config.task[key]):
-      raise ConfigError(f"task.{key}={config.task[key]!r} does not exist")
-  test_file = "" if config.benchmark.name else config.task.test_file
-  if test_file and not os.path.isfile(test_file):
-    raise ConfigError(f"task.test_file={test_file!r} does not exist")
+  task = data.task(config, text_to_text=False)
+  data.check(config)
   t = config.train
   for key in ("batch_size", "num_steps", "microbatches", "log_every"):
     positive(f"train.{key}", t[key])
@@ -69,29 +65,28 @@ def validate_finetune(config, num_devices: Optional[int] = None,
   if not 0 < config.optimizer.layer_decay <= 1:
     raise ConfigError(f"optimizer.layer_decay={config.optimizer.layer_decay}: expected in"
                       " (0, 1] (1 = the same rate for every layer)")
-  backbone = backbone_config(config, task, platform)
+  backbone = backbone_config(config, task, platform, pretrain)
   check_mesh(config, num_devices, None if backbone is None else build_model(backbone))
 
 
-def backbone_config(config, task: Task, platform: Optional[str] = None
-                    ) -> Optional[ModelConfig]:
+def backbone_config(config, task: Task, platform: Optional[str] = None,
+                    pretrain: Optional[PretrainConfig] = None) -> Optional[ModelConfig]:
   """The fine-tuning backbone's ModelConfig where the config says it (init.config: its
   model section, init.model_overrides, without the pretraining heads), checked; None
-  for a Hugging Face checkpoint (init.hf: its config.json says it) or no backbone."""
+  for a Hugging Face checkpoint (init.hf: its config.json says it) or no backbone.
+  pretrain: init.config parsed (None: parsed here)."""
   init = config.init
   if not init.config or init.hf:
     return None  # finetune/backbone.py says which of the two to set
   where = f"init.config={init.config!r}"
+  if pretrain is None or pretrain.spec != init.config:
+    pretrain = parse_pretrain_config(init.config)
+  if pretrain.config is None:  # the file was not found
+    raise ConfigError(f"init.config: {pretrain.error}")
+  if pretrain.vocab is None:  # a missing data.vocab, an unknown data.objective
+    raise ConfigError(f"{where}: {pretrain.error}")
   try:
-    pretrain = load_config_file(init.config)
-  except FileNotFoundError as e:
-    raise ConfigError(f"init.config: {e}") from None
-  try:
-    vocab_size = config_vocab(pretrain).vocab_size
-  except (OSError, ValueError) as e:  # a missing data.vocab, an unknown data.objective
-    raise ConfigError(f"{where}: {e}") from None
-  try:
-    cfg = check_model(pretrain, vocab_size, platform)
+    cfg = check_model(pretrain.config, pretrain.vocab.vocab_size, platform)
   except ConfigError as e:
     raise ConfigError(f"{where}: {e}") from None
   overrides = dict(init.model_overrides)

@@ -8,7 +8,9 @@ seed): the rows of step s are rows s*B .. (s+1)*B of the concatenated per-epoch
 permutations (encoding.EncodedRows), dropout is folded from the step, so a resumed run
 gives the numbers of an uninterrupted one. Writes to workdir: metrics.jsonl /
 tensorboard (train loss, dev metrics), checkpoints/ (the train state),
-dev_predictions.jsonl, final_metrics.json.
+dev_predictions.jsonl, final_metrics.json, and what the data source adds after the
+final evaluation (finetune/task_data.py: the task files' test predictions, a
+benchmark's submission files).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import ml_collections
@@ -31,10 +33,9 @@ from t5x_like.finetune.encoding import EncodedRows, encode_examples
 from t5x_like.finetune.evaluate import Predictor, dev_metrics, prediction_rows
 from t5x_like.finetune.layer_decay import layer_depths, scale_by_layer
 from t5x_like.finetune.model import FinetuneModel, finetunes_text_to_text
-from t5x_like.finetune.splits import load_splits, run_task
-from t5x_like.benchmarks.outputs import benchmark_outputs
+from t5x_like.finetune.splits import FileTaskData
+from t5x_like.finetune.task_data import TaskData
 from t5x_like.models import model_class
-from t5x_like.plan.remat import resolve_remat
 from t5x_like.train.optimizers import make_optimizer
 from t5x_like.train.preemption import RunResult
 from t5x_like.train.run_context import open_run
@@ -86,19 +87,61 @@ def truncation_warning(stats: dict, max_length: int,
           f" are cut at task.max_length={max_length} tokens; {remedy}")
 
 
+class _FinalPredictions:
+  """finetune/task_data.FinalPredictions of the final weights: the main dev split's are
+  the last evaluation's; another split's are made once, when first asked for."""
+
+  def __init__(self, model, predictor, params, main_dev, main_predictions, main_features,
+               features: dict):
+    self.model, self.predictor, self.params, self.features = model, predictor, params, features
+    self.main = main_dev, main_predictions, main_features
+    self.made = {}
+
+  def _of(self, key: tuple[str, str], dataset) -> tuple:
+    """(predictions, features) of the split."""
+    main_dev, main_predictions, main_features = self.main
+    if dataset is main_dev:
+      return main_predictions, main_features
+    if key not in self.made:
+      self.made[key] = self.predictor(self.params, self.features[key])
+    return self.made[key], self.features[key]
+
+  def rows(self, key: tuple[str, str], dataset) -> list[dict]:
+    predictions, features = self._of(key, dataset)
+    return prediction_rows(self.model, predictions, dataset, features)
+
+  def metrics(self, key: tuple[str, str], dataset) -> dict[str, float]:
+    predictions, features = self._of(key, dataset)
+    return dev_metrics(self.model, predictions, features, dataset)
+
+
 # ============================================================================ finetune
-def finetune(config: ml_collections.ConfigDict, workdir, *,
+def finetune(config: ml_collections.ConfigDict, workdir, *, data: Optional[TaskData] = None,
+             choose_remat: Optional[Callable] = None,
              lock: Optional[WorkdirLock] = None) -> RunResult:
-  """Fine-tunes config.init's backbone on config.task in workdir (a path, relative or
+  """Fine-tunes config.init's backbone on data's task in workdir (a path, relative or
   absolute, or a URL such as gs://...; resumes there); returns the final dev metrics
   (RunResult; status 'stopped' after SIGTERM / Ctrl-C: a checkpoint is saved, rerun;
   'already_finished' when the workdir's run had ended: its outputs are written again
   from the last checkpoint). A UserError (bad config, rows, backbone, a locked workdir)
-  leaves the workdir as it was. lock: the workdir's lock when the caller holds it (the
+  leaves the workdir as it was.
+
+  data: where the task and its examples come from (finetune/task_data.TaskData;
+  default: config.task's CSV / JSONL files; a benchmark's is
+  t5x_like.benchmarks.task_data.task_data(config)). choose_remat: for a backbone with
+  model.remat_policy="auto", the chooser (plan/remat.resolve_remat's signature: the
+  finetune command passes it). lock: the workdir's lock when the caller holds it (the
   finetune command takes it before building anything); None takes it here."""
+  data = FileTaskData() if data is None else data
   resolved = resolve_init(config)  # init.config "": the checkpoint's workdir names it
   config = resolved.config
-  validate_finetune(config, jax.device_count())  # the train checks on its schema
+  validate_finetune(config, jax.device_count(), data=data,  # the train checks on its schema
+                    pretrain=resolved.pretrain)
+  pretrain = resolved.pretrain.config if resolved.pretrain is not None else None
+  if pretrain is not None and pretrain.model.remat_policy == "auto" and choose_remat is None:
+    raise FinetuneConfigError(  # before anything is written
+        f"model.remat_policy='auto' in {config.init.config}: finetune(...) needs"
+        " choose_remat=t5x_like.plan.remat.resolve_remat (the finetune command passes it)")
   tc = config.train
   with open_run(workdir, total_steps=tc.num_steps, keep=2, async_save=False,
                 lock=lock) as run:
@@ -106,15 +149,15 @@ def finetune(config: ml_collections.ConfigDict, workdir, *,
     # ---------------------------------------------------------- backbone, data, mesh
     for note in resolved.notes:
       run.writer.log(note)
-    backbone = load_backbone(config, resolved.origin)
+    backbone = load_backbone(config, resolved.origin, resolved.pretrain)
     family = backbone.model_config.family
     text_to_text = (model_class(backbone.model_config).finetunes_text_to_text
                     and config.task.text_to_text)
-    task = run_task(config, text_to_text)
+    task = data.task(config, text_to_text)
     if text_to_text != finetunes_text_to_text(backbone.model_config, task):
       raise FinetuneConfigError(f"config.task.text_to_text=False: task {task.name} has no"
                                 " head on T5's encoder (classification has)")
-    splits = load_splits(config, task, text_to_text)
+    splits = data.splits(config, task, text_to_text)
     train_set, dev_set = splits.train, splits.main_dev
     targets = None
     if text_to_text and task.uses_label_list:
@@ -128,7 +171,7 @@ def finetune(config: ml_collections.ConfigDict, workdir, *,
                                                     task, **encode_kw)
       dev_features, dev_stats = encode_examples(dev_set.examples, backbone.tokenizer, task,
                                                 **encode_kw)
-      extra_features = {  # the other dev splits and the test splits (benchmarks)
+      extra_features = {  # the other dev splits and the test splits
           (kind, name): encode_examples(dataset.examples, backbone.tokenizer, task,
                                         **encode_kw)[0]
           for kind, group in (("dev", splits.dev), ("test", splits.test))
@@ -146,7 +189,7 @@ def finetune(config: ml_collections.ConfigDict, workdir, *,
       depths = layer_depths(model.param_shapes(batch_shapes), stacks)
       optimizer = optax.chain(optimizer, scale_by_layer(depths, config.optimizer.layer_decay))
     if backbone.remat_auto:  # model.remat_policy="auto": chosen by compiling (plan/remat.py)
-      model, remat = resolve_remat(
+      model, remat = choose_remat(
           model, optimizer, schedule, mesh, rules, batch_shapes, microbatches=tc.microbatches,
           rebuild=lambda m, policy: FinetuneModel(
               m.config.replace(remat_policy=policy), task,
@@ -221,32 +264,15 @@ def finetune(config: ml_collections.ConfigDict, workdir, *,
     final = dict(dev, step=step, train_examples=len(train_set.examples),
                  dev_examples=len(dev_set.examples), backbone=backbone.source,
                  seconds=round(time.perf_counter() - started, 1))
-    if splits.benchmark is not None:  # every process predicts; process 0 writes
-      final.update(benchmark_outputs(
-          splits, model, run.workdir, dev_rows=prediction_rows(
-              model, last["predictions"], dev_set, dev_features),
-          predict=lambda key, dataset: prediction_rows(
-              model, predictor(last["params"], extra_features[key]), dataset,
-              extra_features[key])))
-      run.writer.log("official metrics: " + json.dumps(final["official"]))
-    test_rows = []
-    if splits.benchmark is None and splits.test:  # task.test_file: the final weights
-      test_set = splits.test["test"]
-      test_features = extra_features["test", "test"]
-      test_predictions = predictor(last["params"], test_features)
-      final.update({f"test_{k}": v for k, v in dev_metrics(
-          model, test_predictions, test_features, test_set).items()},
-                   test_examples=len(test_set.examples))
-      test_rows = prediction_rows(model, test_predictions, test_set, test_features)
-      run.writer.log("test: " + ", ".join(f"{k}={final[k]:.4f}" for k in final
-                                          if k.startswith("test_") and k != "test_examples"))
+    # The data source's outputs (every process predicts; process 0 writes).
+    predictions = _FinalPredictions(model, predictor, last["params"], dev_set,
+                                    last["predictions"], dev_features, extra_features)
+    final.update(data.write_outputs(config, splits, predictions, run.workdir,
+                                    run.writer.log))
     if jax.process_index() == 0:
       rows = prediction_rows(model, last["predictions"], dev_set, dev_features)
       fs.write_bytes(os.path.join(run.workdir, "dev_predictions.jsonl"),
                      "".join(json.dumps(row) + "\n" for row in rows).encode())
-      if test_rows:
-        fs.write_bytes(os.path.join(run.workdir, "test_predictions.jsonl"),
-                       "".join(json.dumps(row) + "\n" for row in test_rows).encode())
       fs.write_bytes(os.path.join(run.workdir, "final_metrics.json"),
                      json.dumps(final, indent=1).encode())
     return RunResult(final, step, "already_finished" if start.finished else "finished",

@@ -6,14 +6,14 @@
   binary_f1(predictions, labels)             F1 of the positive class (MRPC, QQP)
   matthews_corrcoef(predictions, labels)     Matthews correlation (CoLA), any classes
   pearson(a, b), spearman(a, b)              correlations (STS-B); ties share ranks
-  glue_score(results)                        GLUE's mean over tasks of each task's
-                                             mean metric
   normalize_answer(text)                     SQuAD: lower, drop punctuation, articles,
                                              extra whitespace
   exact_match(prediction, answers)           max over the gold answers, 0 / 1
   token_f1(prediction, answers)              max over the gold answers of the token F1
   squad_scores(predictions, answers)         {'exact_match', 'f1'} in percent
   label_scores(predictions, labels)          {"accuracy", "macro_f1"}
+
+The GLUE score, a benchmark suite's, is t5x_like/benchmarks/metrics.py.
 """
 
 from __future__ import annotations
@@ -158,17 +158,3 @@ def ranks(x) -> np.ndarray:
 def spearman(a, b) -> float:
   """Spearman's rank correlation: Pearson's of the ranks, ties sharing their mean rank."""
   return pearson(ranks(a), ranks(b))
-
-
-def glue_score(results: dict[str, dict[str, float]]) -> float:
-  """The GLUE score as the leaderboard computes it: each task's metrics averaged into
-  one task score (MRPC's F1 and accuracy, STS-B's Pearson and Spearman, MNLI's matched
-  and mismatched accuracy), then the unweighted mean over tasks (Wang et al. 2019)."""
-  if not results:
-    raise ValueError("glue_score: no task results")
-  scores = []
-  for task, metrics in results.items():
-    if not metrics:
-      raise ValueError(f"glue_score: task {task!r} has no metrics")
-    scores.append(float(np.mean(list(metrics.values()))))
-  return float(np.mean(scores))

@@ -1,108 +1,82 @@
-"""What a fine-tuning run reads: its task and its splits, from files or a benchmark.
+"""The CSV / JSONL source of a fine-tuning run (finetune/task_data.py's TaskData):
 
-  task = run_task(config, text_to_text)      # config.task, or the benchmark's task type
-  data = load_splits(config, task, text_to_text)
-  data.train, data.dev {name: Dataset}, data.test {name: Dataset}, data.benchmark
+  data = FileTaskData()
+  task = data.task(config, text_to_text)        # config.task: task_from_config
+  splits = data.splits(config, task, text_to_text)
 
-Files (config.task.train_file / dev_file, CSV or JSONL): one dev split, "dev", and with
-config.task.test_file one test split, "test", scored once at the end. A
-benchmark (config.benchmark.name, e.g. "glue/mnli"; benchmarks/registry.py) reads its
-splits from its own files or a TFDS build (benchmarks/sources.py): train, every dev
-split (MNLI: matched and mismatched; the first is evaluated during training), and with
-config.benchmark.predict_test its test splits, predicted for the submission files
-(GLUE's and SuperGLUE's have no labels; one that has them is scored too). With
-config.benchmark.holdout_fraction a seeded part of train is the one dev split,
-"holdout", and dev and test are not read (hold_out below).
+config.task.train_file and dev_file give one dev split, "dev"; with config.task.test_file
+one test split, "test", scored once at the end with the final weights (test_* in
+final_metrics.json, its rows in test_predictions.jsonl). A benchmark
+(config.benchmark.name) is the other source, t5x_like/benchmarks/task_data.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Optional
+import json
+import os
+from typing import Callable
 
-import ml_collections
+import jax
 
-from t5x_like.benchmarks.registry import Benchmark, benchmark
-from t5x_like.finetune.data import Dataset, read_examples
+from t5x_like import fs
+from t5x_like.finetune.data import read_examples
 from t5x_like.finetune.task import Task
+from t5x_like.finetune.task_data import FinalPredictions, Splits
 from t5x_like.finetune.tasks import task_from_config
+from t5x_like.train.config_check import ConfigError
 
 
-@dataclasses.dataclass
-class Splits:
-  train: Dataset
-  dev: dict[str, Dataset]
-  test: dict[str, Dataset]
-  benchmark: Optional[Benchmark] = None
-
-  @property
-  def main_dev(self) -> Dataset:
-    return next(iter(self.dev.values()))
+def run_task(config, text_to_text: bool = False) -> Task:
+  """config.task's Task (the files fix nothing of it; text_to_text: the same Task)."""
+  del text_to_text
+  return task_from_config(config.task)
 
 
-def run_task(config, text_to_text: bool) -> Task:
-  """config.task's Task; for a benchmark, the benchmark's task type and columns (the
-  rows of benchmarks/registry.py) with config.task's other options."""
-  if not config.benchmark.name:
-    return task_from_config(config.task)
-  bench = benchmark(config.benchmark.name)
-  options = config.task.to_dict()
-  options.update(name=bench.task_name(text_to_text), text_column="text", label_column="label",
-                 text_pair_column="text_pair" if bench.text_pair and not text_to_text else "",
-                 task_prefix="", labels=())
-  if bench.kind == "span" and not text_to_text:
-    options.update(answer_text_column="answer_text", answer_start_column="answer_start")
-  return task_from_config(ml_collections.ConfigDict(options))
+def load_splits(config, task: Task, text_to_text: bool = False) -> Splits:
+  """train, {"dev"}, and {"test"} where config.task.test_file is set."""
+  del text_to_text
+  train = read_examples(config.task.train_file, task)
+  dev = {"dev": read_examples(config.task.dev_file, task, labels=train.labels)}
+  test = ({"test": read_examples(config.task.test_file, task, labels=train.labels)}
+          if config.task.test_file else {})
+  return Splits(train, dev, test)
 
 
-def load_splits(config, task: Task, text_to_text: bool) -> Splits:
-  """The run's splits (module docstring)."""
-  if not config.benchmark.name:
-    train = read_examples(config.task.train_file, task)
-    dev = {"dev": read_examples(config.task.dev_file, task, labels=train.labels)}
-    test = ({"test": read_examples(config.task.test_file, task, labels=train.labels)}
-            if config.task.test_file else {})
-    return Splits(train, dev, test)
-  from t5x_like.benchmarks.sources import benchmark_data_dir, read_benchmark_split
-  bc = config.benchmark
-  bench = benchmark(bc.name)
-  read = dict(task=task, text_to_text=text_to_text, data_dir=benchmark_data_dir(bc.data_dir))
-  train = read_benchmark_split(bench, "train", limit=bc.max_train_examples, **read)
-  if bc.holdout_fraction > 0:  # a split of train as the dev split; dev, test not read
-    train, held_out = hold_out(train, bc.holdout_fraction, bc.holdout_seed)
-    return Splits(train, {"holdout": held_out}, {}, bench)
-  read["labels"] = train.labels
-  dev = {split: read_benchmark_split(bench, split, limit=bc.max_eval_examples, **read)
-         for split in bench.dev_splits}
-  test = {}
-  if bc.predict_test:
-    for split, _ in bench.submission:
-      if split in dev:
-        continue
-      test[split] = read_benchmark_split(bench, split, limit=bc.max_eval_examples, **read)
-  return Splits(train, dev, test, bench)
+class FileTaskData:
+  """TaskData of config.task's files (module docstring)."""
 
+  def check(self, config) -> None:
+    if config.benchmark.name:  # the caller picks the source: this one reads files only
+      raise ConfigError(f"benchmark.name={config.benchmark.name!r} is a benchmark: its data"
+                        " is t5x_like.benchmarks.task_data.task_data(config)'s (the finetune"
+                        " command picks it), not task.train_file's")
+    for key in ("train_file", "dev_file"):
+      if not config.task[key]:
+        raise ConfigError(f"task.{key} is required (a CSV or JSONL file)")
+      if not os.path.isfile(config.task[key]):
+        raise ConfigError(f"task.{key}={config.task[key]!r} does not exist")
+    test_file = config.task.test_file
+    if test_file and not os.path.isfile(test_file):
+      raise ConfigError(f"task.test_file={test_file!r} does not exist")
 
-def hold_out(train: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
-  """(the rest, the held-out part) of a benchmark's train split: round(fraction * N)
-  examples drawn by seed, both parts in the split's order (config.benchmark.holdout_*:
-  finetune-suite's learning-rate grid is scored on it, never on dev)."""
-  import numpy as np
-  from t5x_like.benchmarks.registry import BenchmarkError
-  n = len(train.examples)
-  size = round(fraction * n)
-  if not 0 < fraction < 1 or not 0 < size < n:
-    raise BenchmarkError(f"config.benchmark.holdout_fraction={fraction}: holds out {size} of"
-                         f" the {n} training examples; expected a fraction in (0, 1) that"
-                         " leaves both parts non-empty")
-  held = np.zeros(n, bool)
-  held[np.random.default_rng(seed).permutation(n)[:size]] = True
+  def task(self, config, text_to_text: bool) -> Task:
+    return run_task(config, text_to_text)
 
-  def part(keep: np.ndarray, name: str) -> Dataset:
-    index = np.flatnonzero(keep)
-    pick = lambda values: None if values is None else [values[k] for k in index]
-    return dataclasses.replace(train, path=f"{train.path} ({name}, holdout seed {seed})",
-                               examples=pick(train.examples), ids=pick(train.ids),
-                               golds=pick(train.golds),
-                               stats={**train.stats, "examples": len(index)})
-  return part(~held, "rest"), part(held, "held out")
+  def splits(self, config, task: Task, text_to_text: bool) -> Splits:
+    return load_splits(config, task, text_to_text)
+
+  def write_outputs(self, config, splits: Splits, predictions: FinalPredictions,
+                    workdir: str, log: Callable[[str], None]) -> dict:
+    """The test split's metrics (test_*, test_examples); test_predictions.jsonl."""
+    if not splits.test:
+      return {}
+    test_set = splits.test["test"]
+    out = {f"test_{k}": v for k, v in predictions.metrics(("test", "test"), test_set).items()}
+    out["test_examples"] = len(test_set.examples)
+    rows = predictions.rows(("test", "test"), test_set)
+    log("test: " + ", ".join(f"{k}={v:.4f}" for k, v in out.items()
+                             if k != "test_examples"))
+    if jax.process_index() == 0:
+      fs.write_bytes(os.path.join(workdir, "test_predictions.jsonl"),
+                     "".join(json.dumps(row) + "\n" for row in rows).encode())
+    return out

@@ -117,9 +117,9 @@ def fit_on_train(train: Dataset, tokenizer, regression: bool,
                  seed: int = 0) -> FittedBag:
   """Fits on train - holdout at each penalty, keeps the one whose score(predicted, gold)
   on the held-out part is highest (the larger penalty on a tie), refits on all of train.
-  The held-out part is finetune/splits.hold_out's: the examples finetune-suite --lr_grid
-  holds out at the same fraction and seed."""
-  from t5x_like.finetune.splits import hold_out
+  The held-out part is benchmarks/task_data.hold_out's: the examples finetune-suite
+  --lr_grid holds out at the same fraction and seed."""
+  from t5x_like.benchmarks.task_data import hold_out
   rest, held = hold_out(train, holdout, seed)
 
   def data(dataset):

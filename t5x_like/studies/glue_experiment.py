@@ -210,15 +210,16 @@ def baseline(family: str, task: str, data_dir: str, workdir: str, smoke: bool, *
     from t5x_like.command_flags import load_config_file
     from t5x_like.finetune import metrics as metrics_lib
     from t5x_like.finetune.backbone import load_backbone
-    from t5x_like.finetune.splits import load_splits, run_task
+    from t5x_like.benchmarks.registry import benchmark
+    from t5x_like.benchmarks.task_data import benchmark_splits, benchmark_task
     from t5x_like.studies.bag_of_pieces import fit_on_train
     config = load_config_file(os.path.join(
         configs, f"glue.py:{task},family={family}," + ("smoke" if smoke else "cpu")))
     config.benchmark.data_dir = data_dir
     config.benchmark.predict_test = False
     config.init.config = config.init.default_config
-    splits = load_splits(config, run_task(config, False), text_to_text=False)
-    bench = splits.benchmark
+    splits = benchmark_splits(config, benchmark_task(config, False), text_to_text=False)
+    bench = benchmark(config.benchmark.name)
     regression = bench.kind == "regression"
     main = bench.metrics[0]
     score = {"pearson": metrics_lib.pearson, "mcc": metrics_lib.matthews_corrcoef,
