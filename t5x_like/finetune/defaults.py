@@ -81,7 +81,9 @@ def default_finetune_config() -> ml_collections.ConfigDict:
 
 
 def cpu_recipe_config(backbone: str, smoke: bool) -> ml_collections.ConfigDict:
-  """The classification recipe the book and text-task experiments chose on a CPU backbone.
+  """The classification recipe of the shipped configs for the tasks `t5x-like task` builds
+  (configs/finetune_books.py, configs/text_tasks.py) on a CPU backbone, as the book and
+  text-task experiments chose it. A product default, not the lab's: no study imports it.
 
   backbone: the pretraining config, "file.py:arg" (configs/bert_cpu.py or t5_cpu.py).
   AdamW at 1e-3, 30 warmup steps then linear decay, weight decay 0.01, 300 steps of 32,
