@@ -194,10 +194,10 @@ default_restart_delay() {  # seconds before a restart: past a URL workdir's lock
 }
 
 run_supervisor() {  # run_supervisor SUPERVISOR_FLAG...: the supervisor, on this machine
-  # python3 -m t5x_like.supervisor (stdlib only: nothing to install here). DRY_RUN=1
+  # python3 -m t5x_like.host_loss.supervisor (stdlib only: nothing to install here). DRY_RUN=1
   # prints it, then runs its own dry run: the commands it would run, one restart
   # simulated (SIMULATE=PROCESS:STATUS, default process 1 killed: 1:137).
-  local supervisor=(env PYTHONPATH="$REPO_ROOT" "${LOCAL_PYTHON:-python3}" -B -m t5x_like.supervisor
+  local supervisor=(env PYTHONPATH="$REPO_ROOT" "${LOCAL_PYTHON:-python3}" -B -m t5x_like.host_loss.supervisor
     --max_restarts "${MAX_RESTARTS:-3}" --stop_grace_seconds "${STOP_GRACE_SECONDS:-60}"
     --restart_delay_seconds "${RESTART_DELAY_SECONDS:-$(default_restart_delay)}" "$@")
   run_or_print "${supervisor[@]}"

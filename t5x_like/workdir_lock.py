@@ -346,7 +346,7 @@ class WorkdirLock:
 @contextlib.contextmanager
 def command_lock(fv) -> Iterator[Optional[WorkdirLock]]:
   """The workdir lock of a `train` / `finetune` command, taken from its flags
-  (command_flags.lock_flags: fv.workdir and distributed.py's flags, read before the
+  (command_flags.lock_flags: fv.workdir and host_loss/distributed.py's flags, read before the
   config file is loaded) before jax is imported: a second trainer on the workdir is
   refused in a fraction of a second, not after the start-up. Pass it to the loop
   (open_run uses it and does not take another). fv None: no lock here.

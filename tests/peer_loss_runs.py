@@ -50,7 +50,7 @@ def start_run(workdir: str, processes: int, *extra: str, env_per_process=None,
 def wait_for_commit(workdir: str, procs: list[subprocess.Popen], step: int,
                     timeout: float = 600) -> None:
   """Until the checkpoint of `step` is committed by every process; fails if one ends."""
-  from t5x_like.peer_loss import last_committed_step
+  from t5x_like.host_loss.peer_loss import last_committed_step
   deadline = time.time() + timeout
   while time.time() < deadline:
     ended = [i for i, p in enumerate(procs) if p.poll() is not None]

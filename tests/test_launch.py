@@ -433,7 +433,7 @@ def test_tpu_supervise_dry_run_prints_the_commands_of_a_restart(sandbox):
                        check=True, **BERT_POD).stdout
   supervisor, rest = _transcript(out)
   assert supervisor[:5] == ["env", f"PYTHONPATH={REPO}", "python3", "-B", "-m"]
-  assert supervisor[5] == "t5x_like.supervisor"
+  assert supervisor[5] == "t5x_like.host_loss.supervisor"
   assert _flag(supervisor, "--max_restarts") == "3"
   assert _flag(supervisor, "--workdir") == "gs://my-bucket/bert-base"
   # past the 90 s after which a vanished process 0's lock on a URL workdir goes stale

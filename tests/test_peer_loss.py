@@ -17,7 +17,8 @@ import time
 import pytest
 
 from helpers import ROOT, jsonl_rows
-from t5x_like import errors, peer_guard, peer_loss
+from t5x_like import errors
+from t5x_like.host_loss import peer_guard, peer_loss
 from t5x_like.checkpoint import integrity
 from t5x_like.train import preemption
 
@@ -181,7 +182,7 @@ def test_the_parent_turns_a_peer_loss_abort_into_75_and_mirrors_everything_else(
 # A child that guard() forks, then behaves as the test says (argv[1]).
 _GUARDED = textwrap.dedent("""\
     import os, signal, sys, time
-    from t5x_like import peer_guard
+    from t5x_like.host_loss import peer_guard
     peer_guard.guard("t5x-like train", process_id=1, num_processes=2,
                      checkpoint_dir=sys.argv[2], debug="--debug" in sys.argv)
     what = sys.argv[1]

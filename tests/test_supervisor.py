@@ -1,4 +1,4 @@
-"""The supervisor of multi-process runs (t5x_like/supervisor.py, restart_policy.py,
+"""The supervisor of multi-process runs (t5x_like/host_loss/supervisor.py, restart_policy.py,
 `t5x-like supervise`): which exit statuses restart the run, which give up, what it logs,
 that it stops the others (SIGKILL past the grace). Real supervised runs of 2 and 4
 processes, SIGKILLed and restarted to the same losses, eval rows and final checkpoint
@@ -20,12 +20,12 @@ import time
 import pytest
 
 from helpers import ROOT
-from t5x_like import restart_policy as policy
+from t5x_like.host_loss import restart_policy as policy
 from t5x_like.cli import main as cli_main
 from t5x_like.commands import supervise as supervise_command
-from t5x_like.supervisor import (PopenWorker, ScriptedWorker, WorkerSpec, dry_run,
+from t5x_like.host_loss.supervisor import (PopenWorker, ScriptedWorker, WorkerSpec, dry_run,
                                  last_committed_step, supervise)
-from t5x_like.supervisor import main as supervisor_main
+from t5x_like.host_loss.supervisor import main as supervisor_main
 
 # PopenWorker's preexec_fn (PR_SET_PDEATHSIG) runs fork's hooks, where jax (imported by
 # conftest, never by the supervisor itself) warns about forking a threaded process.
@@ -43,7 +43,7 @@ DECISIONS = [
     (134, "restart"), (-6, "restart"),  # jax's C++ abort when a peer dies
     (255, "restart"),  # ssh: the host vanished
     (139, "restart"),  # SIGSEGV, from outside or not: bounded by max_restarts
-    (3, "restart"),  # distributed.py: the processes did not all connect in time
+    (3, "restart"),  # host_loss/distributed.py: the processes did not all connect in time
     (2, "give up"),  # user error
     (1, "give up"),  # failure: non-finite loss, bug
     (130, "give up"), (-2, "give up"),  # Ctrl-C
@@ -65,7 +65,7 @@ def test_the_policy_reads_the_statuses_the_processes_exit_with():
 
 def test_the_supervisor_imports_neither_jax_nor_absl():
   """The pod launchers run it with a laptop's bare python3."""
-  code = ("import sys, t5x_like.supervisor; bad = {'jax', 'absl', 'numpy', 'etils'} &"
+  code = ("import sys, t5x_like.host_loss.supervisor; bad = {'jax', 'absl', 'numpy', 'etils'} &"
           " set(sys.modules); assert not bad, bad")
   subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
 
@@ -273,7 +273,7 @@ def test_last_committed_step_skips_unfinished_saves(tmp_path):
 
 def test_checkpoint_names_match_the_checkpointer():
   from t5x_like.checkpoint import integrity
-  from t5x_like import supervisor
+  from t5x_like.host_loss import supervisor
   assert supervisor.COMMIT_MARKER == integrity.COMMIT_MARKER
   assert supervisor.MANIFEST == integrity.MANIFEST
   assert supervisor.ITEMS == (integrity.STATE, integrity.EXTRA)

@@ -1,6 +1,6 @@
 """`t5x-like supervise --num_processes=N [--max_restarts=R] -- train FLAGS...`: runs N
 processes of `t5x-like train` (or `finetune`) on this machine as one multi-process run,
-and restarts them all when one is lost (t5x_like/supervisor.py; the pod launchers run
+and restarts them all when one is lost (t5x_like/host_loss/supervisor.py; the pod launchers run
 the same supervisor with one ssh command per host).
 
 Each process gets --coordinator_address=localhost:PORT (a free port, new at each
@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
       raise FlagError(f"--{name} is set by the supervisor for each process; leave it out"
                       f" of the {command[0]} flags")
   from t5x_like import fs
-  from t5x_like.supervisor import WorkerSpec, supervise
+  from t5x_like.host_loss.supervisor import WorkerSpec, supervise
   workdir = flag_value(command, "workdir")
   if workdir and not fs.is_url(workdir):
     workdir = os.path.abspath(os.path.expanduser(workdir))

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import jax
 
-from t5x_like import peer_loss
+from t5x_like.host_loss import peer_loss
 from t5x_like.fs import resolve_path
 from t5x_like.checkpoint import Checkpointer
 from t5x_like.train.metrics import MetricWriter
@@ -132,7 +132,7 @@ def open_run(workdir, *, total_steps: int, keep: Optional[int], async_save: bool
     except Exception as error:
       if peer_loss.from_exception(error, jax.process_index(), jax.process_count()):
         # A peer process is gone: a save in flight waits for it in barriers that never
-        # end. Stop without it (exit 75 next, peer_guard.py); a rerun sets the unsealed
+        # end. Stop without it (exit 75 next, host_loss/peer_guard.py); a rerun sets the unsealed
         # step aside.
         run.abandoned = True
       raise

@@ -5,7 +5,7 @@
 Every worker is a command: locally `t5x-like train ... --process_id=i` (`t5x-like
 supervise`, t5x_like/commands/supervise.py), on a pod the ssh command that runs the
 trainer on host i in the foreground and returns its status (launch/tpu.sh and
-launch/gpu.sh `supervise`, through `python3 -m t5x_like.supervisor`). When the first
+launch/gpu.sh `supervise`, through `python3 -m t5x_like.host_loss.supervisor`). When the first
 worker ends with a non-zero status, restart_policy.decide names what follows:
 
 - RESTART (143 preempted, 75 a peer was lost, 134 jax's abort, 255 ssh lost the host,
@@ -36,7 +36,7 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
-from t5x_like import restart_policy as policy
+from t5x_like.host_loss import restart_policy as policy
 
 # As t5x_like/checkpoint/integrity.py names them (that module imports jax): a step
 # `checkpoints/<step>/` is committed once orbax's marker, both items and every writer's
@@ -329,12 +329,12 @@ def dry_run(specs_for: Callable[[int], list[WorkerSpec]], *, max_restarts: int,
                    read_step=lambda workdir: (None, False))
 
 
-# ------------------------------------------------- `python3 -m t5x_like.supervisor`
+# ------------------------------------------------- `python3 -m t5x_like.host_loss.supervisor`
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """The pod launchers' entry: one --worker shell command per host (and its --stop /
   --kill commands), run with bash."""
   parser = argparse.ArgumentParser(
-      prog="python3 -m t5x_like.supervisor",
+      prog="python3 -m t5x_like.host_loss.supervisor",
       description="Runs one shell command per worker and restarts them all when one is"
                   " lost (see launch/README.md, 'Supervised runs').")
   parser.add_argument("--worker", action="append", required=True, metavar="CMD",

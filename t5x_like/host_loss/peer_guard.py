@@ -38,7 +38,7 @@ import sys
 import time
 from typing import Optional
 
-from t5x_like import peer_loss
+from t5x_like.host_loss import peer_loss
 from t5x_like.errors import EXIT_PEER_LOST
 
 GUARD_ENV = "T5X_LIKE_PEER_GUARD"

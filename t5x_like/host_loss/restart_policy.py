@@ -1,4 +1,4 @@
-"""What the supervisor (t5x_like/supervisor.py) does when one worker of a multi-process
+"""What the supervisor (t5x_like/host_loss/supervisor.py) does when one worker of a multi-process
 run ends, and the lines it logs: pure functions of exit statuses, no processes, no jax.
 
   decide(137)  -> RESTART   (stop the others, start every worker again)
@@ -10,7 +10,7 @@ plus what a dead process or host looks like from outside: a negative
 Popen return code or 128 + N (killed by signal N), 134 (jax's C++ abort when the
 coordination service loses a peer), 255 (ssh: the connection to the host was lost).
 This module stays importable without jax or absl: the pod launchers run it on a laptop
-(`python3 -m t5x_like.supervisor`).
+(`python3 -m t5x_like.host_loss.supervisor`).
 """
 
 from __future__ import annotations
