@@ -36,7 +36,7 @@ from absl import flags
 
 from t5x_like.command_flags import parse_flags
 from t5x_like.commands import finetune as finetune_command
-from t5x_like.distributed import initialize_distributed
+from t5x_like.host_loss.distributed import initialize_distributed
 from t5x_like.train.preemption import exit_at_once_on_interrupt
 
 
