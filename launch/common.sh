@@ -188,7 +188,7 @@ remote_signal_command() {  # remote_signal_command PIDFILE TERM|KILL: signal the
 
 default_restart_delay() {  # seconds before a restart: past a URL workdir's lock going stale
   # A process 0 whose host vanished leaves workdir.lock behind; on a URL workdir its
-  # heartbeat goes stale after 90 s (t5x_like/workdir_lock.py), and a restart before
+  # heartbeat goes stale after 90 s (t5x_like/train/workdir_lock.py), and a restart before
   # that would be refused as a locked workdir (exit 2: the supervisor gives up).
   if [[ ${WORKDIR:-} == *://* ]]; then echo 100; else echo 30; fi
 }

@@ -25,7 +25,7 @@ PACKAGE = os.path.join(ROOT, "t5x_like")
 LAYERS = [
     ("errors",),  # the exit statuses and UserError: below everything
     ("fs", "command_flags", "failpoints", "gpu_flags", "corpus", "parallel", "models"),
-    ("data", "workdir_lock", "checkpoint", "infer", "hf"),
+    ("data", "checkpoint", "infer", "hf"),
     ("experiment", "task_builders", "host_loss"),  # config -> objects; surviving a lost host
     ("train",),
     ("plan",),  # compiles train steps; chooses remat for the train command

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from t5x_like.failpoints import FAILPOINT_ENV
-from t5x_like.workdir_lock import LOCK_NAME, WorkdirLock
+from t5x_like.train.workdir_lock import LOCK_NAME, WorkdirLock
 
 from helpers import ROOT, xla_flags
 

@@ -24,7 +24,7 @@ from t5x_like.failpoints import FAILPOINT_ENV, SLOW_SAVE_SECONDS_ENV
 from t5x_like.train.metrics import read_jsonl
 from t5x_like.train.run_context import open_run
 from t5x_like.train.runner import Every
-from t5x_like.workdir_lock import LOCK_NAME, WorkdirLock, WorkdirLockedError
+from t5x_like.train.workdir_lock import LOCK_NAME, WorkdirLock, WorkdirLockedError
 from helpers import ROOT
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

@@ -19,7 +19,7 @@ from t5x_like import fs
 from t5x_like.errors import UserError
 from t5x_like.train import metrics as metrics_lib
 from t5x_like.train.metrics import MetricWriter, read_jsonl
-from t5x_like.workdir_lock import LOCK_NAME, WorkdirLock, WorkdirLockedError
+from t5x_like.train.workdir_lock import LOCK_NAME, WorkdirLock, WorkdirLockedError
 
 from helpers import ROOT, xla_flags
 
@@ -29,7 +29,7 @@ from helpers import ROOT, xla_flags
 CONTENDER = r"""
 import json, os, sys, time
 from t5x_like import fs
-from t5x_like.workdir_lock import WorkdirLock, WorkdirLockedError
+from t5x_like.train.workdir_lock import WorkdirLock, WorkdirLockedError
 workdir, heartbeat, stale, hold, go = sys.argv[1:6]
 lock = WorkdirLock(workdir, heartbeat_seconds=float(heartbeat), stale_seconds=float(stale))
 if go != "-":

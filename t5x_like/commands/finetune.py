@@ -42,7 +42,7 @@ from ml_collections import config_flags
 from t5x_like.command_flags import lock_flags, parse_flags
 from t5x_like.host_loss.distributed import define_distributed_flags, initialize_distributed
 from t5x_like.train.preemption import exit_at_once_on_interrupt
-from t5x_like.workdir_lock import command_lock
+from t5x_like.train.workdir_lock import command_lock
 
 
 def _flags(argv: list[str]) -> flags.FlagValues:

@@ -42,7 +42,7 @@ from t5x_like.train.run_context import open_run
 from t5x_like.train.runner import Every, StepLoop, device_batches, run_steps
 from t5x_like.train.state import abstract_train_state, create_train_state
 from t5x_like.train.step import make_train_step
-from t5x_like.workdir_lock import WorkdirLock
+from t5x_like.train.workdir_lock import WorkdirLock
 
 
 class FinetuneConfigError(UserError, ValueError):

@@ -33,7 +33,7 @@ from t5x_like.train.runner import Every, StepLoop, device_batches, run_steps
 from t5x_like.train.saved_config import write_run_config
 from t5x_like.train.state import abstract_train_state, create_train_state
 from t5x_like.train.step import make_eval_step, make_train_step
-from t5x_like.workdir_lock import WorkdirLock
+from t5x_like.train.workdir_lock import WorkdirLock
 
 # (config, model, optimizer, schedule, mesh, rules, vocab) -> (model, RematChoice or None)
 RematChooser = Callable[..., tuple]

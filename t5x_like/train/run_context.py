@@ -29,13 +29,13 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import jax
 
-from t5x_like.host_loss import peer_loss
-from t5x_like.fs import resolve_path
 from t5x_like.checkpoint import Checkpointer
+from t5x_like.fs import resolve_path
+from t5x_like.host_loss import peer_loss
 from t5x_like.train.metrics import MetricWriter
 from t5x_like.train.preemption import Preemption
 from t5x_like.train.setup_guard import undo_on_user_error
-from t5x_like.workdir_lock import WorkdirLock
+from t5x_like.train.workdir_lock import WorkdirLock
 
 
 class Start(NamedTuple):
