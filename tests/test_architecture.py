@@ -63,8 +63,8 @@ def _modules() -> dict[str, str]:
 
 
 MODULES = _modules()
-TREES = {name: ast.parse(open(path, encoding="utf-8").read())
-         for name, path in MODULES.items()}
+SOURCES = {name: open(path, encoding="utf-8").read() for name, path in MODULES.items()}
+TREES = {name: ast.parse(source) for name, source in SOURCES.items()}
 
 
 def _imports(name: str, tree: ast.AST, modules) -> set[str]:
@@ -181,7 +181,8 @@ def test_the_product_never_imports_the_studies():
 
 
 def test_no_module_reaches_outside_the_package_for_configs():
-  assert sorted(m for m, tree in TREES.items() if reaches_outside(tree)) == []
+  assert sorted(m for m, tree in TREES.items()
+                if "__file__" in SOURCES[m] and reaches_outside(tree)) == []
 
 
 def test_no_import_cycle():
