@@ -261,14 +261,15 @@ def _files_under(root):
 def test_the_rehearsal_runs_every_step_on_the_cpu_within_the_file_limits(tmp_path):
   """launch/gpu_bench.sh --rehearse: every step runs for real at smoke shapes (each
   flag parsed by the command), leaving at most 8 files at most two folders deep, with
-  every figure the GPU call fills. (4:14 on 2 quiet cores of an AMD EPYC; the budget
-  leaves room for a slower machine: a step it skips fails the test.)"""
+  every figure the GPU call fills. (4:14 on 2 quiet cores of an AMD EPYC; in the slow
+  tier another test file runs beside it, so the budget leaves room: a step it skips
+  fails the test.)"""
   out = tmp_path / "rehearsal"
   env = dict(os.environ, OUT=str(out), COMMIT="test", PYTHON=sys.executable)
   env.pop("XLA_FLAGS", None)  # one CPU device, as a user's machine has
   run = subprocess.run(["bash", os.path.join(REPO, "launch", "gpu_bench.sh"), "--rehearse",
-                        "--budget", "420"], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=540)
+                        "--budget", "900"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=1000)
   results = json.loads((out / "results.json").read_text())
   bad = [(s["name"], s["status"], s.get("reason")) for s in results["steps"]
          if s["status"] != "ok"]

@@ -243,7 +243,8 @@ def test_bench_model_profile_of_a_tiny_gpt_on_the_cpu(capsys, tmp_path, monkeypa
   from t5x_like.speed import model as model_bench
   # MFU's CPU ceilings take ~30 s to measure and play no part here.
   monkeypatch.setattr(model_bench, "peak_flops",
-                      lambda device, previous=None: {"bfloat16": 1e12, "float32": 1e12})
+                      lambda device, previous=None, repeats=20: {"bfloat16": 1e12,
+                                                                 "float32": 1e12})
   out_dir = tmp_path / "trace"
   code = cli.main(["bench", "model", "--config", "configs/gpt_cpu.py:smoke", "--steps", "2",
                    "--warmup", "1", "--nodecode", "--config.train.batch_size=8",
