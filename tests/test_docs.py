@@ -1,7 +1,8 @@
 """The manual points at what exists: every repository path a page names (README.md,
 configs/README.md, launch/README.md, docs/*.md) is there, every config in configs/ is
-listed in configs/README.md, and the README's package map names every command and
-every top-level module. Reads text only: no jax, well under a second."""
+listed in configs/README.md, and the README's package map names every command, every
+folder and every top-level module of the package. Reads text only: no jax, well under a
+second."""
 
 import ast
 import glob
@@ -85,3 +86,32 @@ def test_every_config_is_listed_in_configs_readme():
   with open(os.path.join(ROOT, "configs", "README.md"), encoding="utf-8") as f:
     assert _configs_listed(f.read()) == []
   assert _configs_listed("| `bert_cpu.py` |") != []  # a README without the others fails
+
+
+def _package_map(readme: str) -> str:
+  """The README's "Package map" section."""
+  return readme.split("## Package map", 1)[1].split("\n## ", 1)[0]
+
+
+def map_leaves_out(package_map: str) -> list[str]:
+  """The commands of `t5x-like` (cli.COMMANDS, as `name`), the package's folders (as
+  `t5x_like/name/`) and top-level modules (as `name.py`) the package map does not name."""
+  tree = ast.parse(open(os.path.join(ROOT, "t5x_like", "cli.py"), encoding="utf-8").read())
+  commands = next(ast.literal_eval(n.value).keys() for n in tree.body
+                  if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "COMMANDS"
+                  and isinstance(n.value, ast.Dict))
+  modules = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "t5x_like", "*.py"))
+                   if not p.endswith("__init__.py"))
+  folders = sorted(f"t5x_like/{d}/" for d in os.listdir(os.path.join(ROOT, "t5x_like"))
+                   if os.path.isfile(os.path.join(ROOT, "t5x_like", d, "__init__.py")))
+  return ([c for c in commands if f"`{c}`" not in package_map]
+          + [f for f in folders if f"`{f}`" not in package_map]
+          + [m for m in modules if f"`{m}`" not in package_map])
+
+
+def test_the_package_map_names_every_command_and_top_level_module():
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    assert map_leaves_out(_package_map(f.read())) == []
+  planted = map_leaves_out("| `t5x_like/commands/` | `train`, `cli.py` |")
+  assert "supervise" in planted and "t5x_like/speed/" in planted and "fs.py" in planted
+  assert "train" not in planted and "t5x_like/commands/" not in planted
