@@ -238,7 +238,8 @@ def test_traces_over_the_limit_are_left_out(tmp_path):
   assert os.listdir(out) == []
 
 
-def test_a_full_out_folder_or_an_unknown_step_is_refused_before_anything_runs(tmp_path):
+def test_a_full_out_folder_or_an_unknown_step_is_refused_before_anything_runs(tmp_path,
+                                                                            capsys):
   (tmp_path / "full").mkdir()
   (tmp_path / "full" / "x").write_text("")
   with pytest.raises(UserError, match="not empty"):
@@ -246,11 +247,12 @@ def test_a_full_out_folder_or_an_unknown_step_is_refused_before_anything_runs(tm
   with pytest.raises(UserError, match="unknown step 'nope'"):
     gpu_suite.run_suite(str(tmp_path / "new"), rehearse=True, configs=CONFIGS, only=["nope"])
   assert not (tmp_path / "new").exists()
-  run = subprocess.run([sys.executable, "-m", "t5x_like.cli", "bench", "gpu", "--out",
-                        str(tmp_path / "full"), "--rehearse"], cwd=REPO, capture_output=True,
-                       text=True, timeout=120)
-  assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1
-  assert "--out=" in run.stderr and "not empty" in run.stderr
+  from t5x_like import cli
+  code = cli.main(["bench", "gpu", "--out", str(tmp_path / "full"), "--rehearse",
+                   "--configs", CONFIGS])
+  err = capsys.readouterr().err
+  assert code == 2 and len(err.strip().splitlines()) == 1
+  assert "--out=" in err and "not empty" in err
 
 
 def _files_under(root):

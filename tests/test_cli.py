@@ -165,6 +165,26 @@ def test_finetune_model_overrides_take_any_model_config_field():
   assert dict(fv.config.init.model_overrides) == {"loss_chunk_rows": 0}
 
 
+def test_the_huge_pages_restart_runs_the_interpreters_own_command_line(monkeypatch):
+  """The fast twin of the test below: the restart's argv is sys.orig_argv's (a `python
+  -c CODE ARGS` start keeps its -c CODE), not sys.argv's."""
+  import os
+  import sys
+  started = ["/usr/bin/python3", "-X", "utf8", "-c", "CODE", "models", "bert-tiny"]
+  monkeypatch.setattr(sys, "orig_argv", started)
+  monkeypatch.setattr(sys, "argv", ["-c", "models", "bert-tiny"])
+  monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+  monkeypatch.delenv("T5X_LIKE_HUGE_PAGES", raising=False)
+  monkeypatch.setattr(os, "confstr", lambda name: "glibc 2.36")
+  calls = []
+  monkeypatch.setattr(os, "execve", lambda path, argv, env: calls.append((path, argv, env)))
+  cli._reexec_with_huge_pages()
+  (path, argv, env), = calls
+  assert argv == [sys.executable, "-X", "utf8", "-c", "CODE", "models", "bert-tiny"]
+  assert "glibc.malloc.hugetlb=1" in env["GLIBC_TUNABLES"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("start", [["-m", "t5x_like.cli"],
                                    ["-c", "import sys; from t5x_like.cli import main;"
                                           " sys.exit(main())"]])

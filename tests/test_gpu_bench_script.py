@@ -5,6 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+# Each test starts bash and a Python (seconds apiece): the slow tier. The steps' order is
+# checked in-process by tests/test_bench_gpu.py, shellcheck by tests/test_launch.py.
+pytestmark = pytest.mark.slow
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "launch", "gpu_bench.sh")
 
