@@ -86,7 +86,6 @@ class Step:
   args: tuple[str, ...] = ()
   env: tuple[tuple[str, str], ...] = ()
   timeout: int = 150
-  recipe: Optional[str] = None
   profile: bool = False
   fallback: tuple[str, ...] = ()
   uses: tuple[str, ...] = ()
@@ -100,7 +99,7 @@ def _bench_model(name: str, recipe: str, title: str, extra: tuple[str, ...] = ()
             else ("--steps", "20", "--warmup", "3"))
   args = ("bench", "model", *r.config_flag(configs, rehearse), *r.flags, *extra,
           *(r.smoke_flags if rehearse else ()), *counts, "--nodecode")
-  return Step(name, title, args=args, env=env, timeout=timeout, recipe=recipe,
+  return Step(name, title, args=args, env=env, timeout=timeout,
               profile=profile)
 
 
@@ -118,7 +117,7 @@ def _bench_peer(name: str, recipe: str, *, configs: str, rehearse: bool,
     fallback = (f"--config.train.batch_size={fallback_batch // (8 if rehearse else 1)}",)
   return Step(name, f"bench peer: {r.title}, ours / torch.compile", args=args,
               env=(("XLA_PYTHON_CLIENT_MEM_FRACTION", PEER_MEMORY_FRACTION),),
-              timeout=timeout, recipe=recipe, fallback=fallback)
+              timeout=timeout, fallback=fallback)
 
 
 def resume_args(configs: str, rehearse: bool) -> tuple[str, ...]:
