@@ -67,37 +67,48 @@ def test_pearson_and_spearman_equal_scipy_with_ties(seed):
       scipy.stats.spearmanr(predicted, gold)[0], abs=1e-12)
 
 
-# (prediction, gold answers, exact match, F1), each worked out by hand.
+# (prediction, gold answers, exact match, F1 by evaluate-v1.1.py, F1 by evaluate-v2.0.py),
+# each worked out by hand: v1.1's F1 is 0 when either side is empty, v2.0's is 1 when
+# both are.
 SQUAD_CASES = [
-    ("the Eiffel Tower", ["Eiffel Tower"], 1.0, 1.0),  # an article dropped
-    ("Eiffel Tower!", ["The Eiffel tower"], 1.0, 1.0),  # case and punctuation
-    ("in Paris, France", ["Paris"], 0.0, 0.5),  # P 1/3, R 1: 2 * (1/3) / (4/3)
-    ("Paris", ["London", "paris"], 1.0, 1.0),  # the max over the gold answers
-    ("New York City", ["New York", "York City"], 0.0, 0.8),  # P 2/3, R 1
-    ("cats and dogs", ["dogs and cats"], 0.0, 1.0),  # F1 counts tokens, not order
-    ("three  point   five", ["three point five"], 1.0, 1.0),  # whitespace
-    ("", [""], 1.0, 1.0),  # SQuAD 2.0: no answer predicted for no answer
-    ("Paris", [""], 0.0, 0.0),  # an answer where there is none
-    ("", ["Paris"], 0.0, 0.0),  # no answer where there is one
-    ("an the a", [""], 1.0, 1.0),  # articles alone normalise to nothing
-    ("Denver Broncos", ["Denver Broncos", "The Denver Broncos", "Broncos"], 1.0, 1.0),
-    ("the Broncos of Denver", ["Denver Broncos"], 0.0, 0.8),  # P 2/3 (of dropped), R 1
+    ("the Eiffel Tower", ["Eiffel Tower"], 1.0, 1.0, 1.0),  # an article dropped
+    ("Eiffel Tower!", ["The Eiffel tower"], 1.0, 1.0, 1.0),  # case and punctuation
+    ("in Paris, France", ["Paris"], 0.0, 0.5, 0.5),  # P 1/3, R 1: 2 * (1/3) / (4/3)
+    ("Paris", ["London", "paris"], 1.0, 1.0, 1.0),  # the max over the gold answers
+    ("New York City", ["New York", "York City"], 0.0, 0.8, 0.8),  # P 2/3, R 1
+    ("cats and dogs", ["dogs and cats"], 0.0, 1.0, 1.0),  # F1 counts tokens, not order
+    ("three  point   five", ["three point five"], 1.0, 1.0, 1.0),  # whitespace
+    ("", [""], 1.0, 0.0, 1.0),  # no answer predicted for no answer
+    ("Paris", [""], 0.0, 0.0, 0.0),  # an answer where there is none
+    ("", ["Paris"], 0.0, 0.0, 0.0),  # no answer where there is one
+    ("an the a", [""], 1.0, 0.0, 1.0),  # articles alone normalise to nothing
+    ("Denver Broncos", ["Denver Broncos", "The Denver Broncos", "Broncos"], 1.0, 1.0, 1.0),
+    ("the Broncos of Denver", ["Denver Broncos"], 0.0, 0.8, 0.8),  # P 2/3 (of dropped), R 1
 ]
 
 
-@pytest.mark.parametrize("prediction, answers, em, f1", SQUAD_CASES)
-def test_squad_exact_match_and_f1_follow_the_official_script(prediction, answers, em, f1):
+@pytest.mark.parametrize("prediction, answers, em, f1_v11, f1_v20", SQUAD_CASES)
+def test_squad_exact_match_and_f1_follow_the_official_scripts(prediction, answers, em, f1_v11,
+                                                               f1_v20):
   assert metrics.exact_match(prediction, answers) == em
-  assert metrics.token_f1(prediction, answers) == pytest.approx(f1)
+  assert metrics.token_f1(prediction, answers, "v1.1") == pytest.approx(f1_v11)
+  assert metrics.token_f1(prediction, answers, "v2.0") == pytest.approx(f1_v20)
 
 
 def test_squad_scores_are_percent_means():
   predictions = [c[0] for c in SQUAD_CASES]
   answers = [c[1] for c in SQUAD_CASES]
-  scores = metrics.squad_scores(predictions, answers)
-  # 7 exact matches; F1 1 in 8 cases, 0.5, 0.8 and 0.8 in three more, 0 in two.
-  assert scores["exact_match"] == pytest.approx(100 * 7 / 13)
-  assert scores["f1"] == pytest.approx(100 * (8 + 0.5 + 0.8 + 0.8) / 13)
+  scores = metrics.squad_scores(predictions, answers, "v1.1")
+  # 7 exact matches; F1 1 in 6 cases, 0.5, 0.8 and 0.8 in three more, 0 in four.
+  assert scores == pytest.approx({"exact_match": 100 * 7 / 13,
+                                  "f1": 100 * (6 + 0.5 + 0.8 + 0.8) / 13})
+  scores = metrics.squad_scores(predictions, answers, "v2.0")
+  # v2.0: the two empty-for-empty cases score F1 1; three questions have no answer
+  # ("" golds), of which two predicted none.
+  assert scores == pytest.approx({
+      "exact_match": 100 * 7 / 13, "f1": 100 * (8 + 0.5 + 0.8 + 0.8) / 13,
+      "HasAns_exact_match": 100 * 5 / 10, "HasAns_f1": 100 * (6 + 0.5 + 0.8 + 0.8) / 10,
+      "NoAns_exact_match": 100 * 2 / 3, "NoAns_f1": 100 * 2 / 3})
 
 
 def test_glue_score_averages_each_task_then_the_tasks():

@@ -24,7 +24,7 @@ from t5x_like.finetune.encoding import (encode_decoder_pair, encode_examples,
 from t5x_like.finetune.model import FinetuneModel
 from t5x_like.finetune.task import Example
 from t5x_like.finetune.tasks import make_task
-from t5x_like.finetune.tasks.span_extraction import encode_span_extraction, span_text
+from t5x_like.finetune.tasks.span_extraction import encode_windows, span_text
 from t5x_like.finetune.tasks.token_classification import encode_token_classification
 from t5x_like.finetune.tokenizer import as_tokenizer
 from t5x_like.finetune.wordpiece import WordPieceTokenizer
@@ -255,20 +255,28 @@ def test_span_positions_round_trip_to_the_answer(vocab_files, which):
                       answer_start=context.index(answer))
               for answer in ("Paris", "the city of light"[4:], "he lives")]
   examples.append(Example("Who?", context, answer_text="", answer_start=-1))
-  batch, stats = encode_examples(examples, tok, make_task("span_extraction", text_pair_column="context",
-                                                          max_length=48))
-  assert stats["answers_lost"] == 0
+  task = make_task("span_extraction", text_pair_column="context", max_length=48,
+                   allow_no_answer=True)
+  batch, stats = encode_examples(examples, tok, task)
+  assert stats["answers_lost"] == 0 and stats["rows"] == len(examples)  # one window each
   for row, ex in enumerate(examples):
     start, end = batch["start_positions"][row], batch["end_positions"][row]
+    assert batch["example_index"][row] == row
     if ex.answer_text:
       assert 0 < start <= end
       assert span_text(context, batch["context_offsets"][row], start, end) == ex.answer_text
     else:
       assert start == end == 0
-  # Truncation that cuts the answer: positions 0 ([CLS]) and counted.
+  # A window too short for the whole context: the answer is in a later window, never
+  # lost; the windows without it point at [CLS].
   late = Example("Who?", context, answer_text="nothing", answer_start=context.index("nothing"))
-  features, lost = encode_span_extraction(tok, late, max_length=12)
-  assert lost and features["start_positions"] == features["end_positions"] == 0
+  rows, lost = encode_windows(tok, late, max_length=12, doc_stride=2)
+  assert not lost and len(rows) > 1
+  holding = [r for r in rows if r["start_positions"] > 0]
+  assert holding and all(r["start_positions"] == r["end_positions"] == 0
+                         for r in rows if r["start_positions"] == 0)
+  assert span_text(context, holding[0]["context_offsets"], holding[0]["start_positions"],
+                   holding[0]["end_positions"]) == "nothing"
 
 
 def test_decoder_and_text_to_text_encodings():
@@ -391,8 +399,9 @@ def test_regression_rows_and_metrics(tmp_path):
   predicted = np.array([0.1, 2.0, 2.0, 3.5, 0.7, 5.0])
   gold = np.array([0.0, 1.0, 3.0, 3.0, 2.0, 4.5], np.float32)  # ties on both sides
   scores = task.metrics(predicted, {"labels": gold}, None)
-  assert scores["pearson"] == pytest.approx(scipy.stats.pearsonr(predicted, gold)[0])
-  assert scores["spearman"] == pytest.approx(scipy.stats.spearmanr(predicted, gold)[0])
+  # correlations in percent (as GLUE reports them); the MSE in the score's own unit
+  assert scores["pearson"] == pytest.approx(100 * scipy.stats.pearsonr(predicted, gold)[0])
+  assert scores["spearman"] == pytest.approx(100 * scipy.stats.spearmanr(predicted, gold)[0])
   assert scores["mse"] == pytest.approx(np.mean((predicted - gold) ** 2))
 
 
@@ -517,9 +526,20 @@ def test_tagging_and_span_losses_follow_their_logits():
   np.testing.assert_allclose(loss, want, rtol=1e-5)
   offsets = np.full(tokens.shape + (2,), -1, np.int32)
   offsets[:, 5:7] = [[0, 3], [4, 6]]  # only tokens 5 and 6 are context
-  best = jax.jit(reader.predict)(params, {**batch, "context_offsets": offsets})
-  for s, e in zip(np.asarray(best["start"]), np.asarray(best["end"])):
-    assert s <= e and {int(s), int(e)} <= {0, 5, 6}
+  max_context = np.zeros(tokens.shape, np.int32)
+  max_context[:, 5] = 1  # token 6 may end an answer but not start one
+  best = jax.jit(reader.predict)(params, {**batch, "context_offsets": offsets,
+                                          "max_context": max_context})
+  start_logits, end_logits = np.asarray(out["start_logits"]), np.asarray(out["end_logits"])
+  np.testing.assert_array_equal(np.asarray(best["start_index"])[:, 0], 5)
+  np.testing.assert_allclose(np.asarray(best["start_logit"])[:, 0], start_logits[:, 5],
+                             rtol=1e-6)
+  assert np.all(np.asarray(best["start_logit"])[:, 1:] <= -1e8)  # the rest masked
+  ends = np.asarray(best["end_index"])[:, :2]
+  want = np.where(end_logits[:, 5:6] >= end_logits[:, 6:7], [[5, 6]], [[6, 5]])
+  np.testing.assert_array_equal(ends, want)
+  np.testing.assert_allclose(best["null_score"], start_logits[:, 0] + end_logits[:, 0],
+                             rtol=1e-6)
 
 
 # ------------------------------------------------------------------ training

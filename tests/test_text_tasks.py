@@ -260,7 +260,7 @@ def test_t5_encoder_head_end_to_end(tmp_path, monkeypatch, capsys):
                    "--config.optimizer.layer_decay=0.8"]) == 0
   with open("ft/final_metrics.json") as f:
     final = json.load(f)
-  assert 0 <= final["accuracy"] <= 1 and 0 <= final["test_accuracy"] <= 1
+  assert 0 <= final["accuracy"] <= 100 and 0 <= final["test_accuracy"] <= 100
   assert final["test_examples"] == len(_rows("workdir/coherence", "test"))
   assert not any(k.startswith("rank_") for k in final)
   capsys.readouterr()

@@ -25,7 +25,8 @@ from t5x_like.finetune.task_data import Splits
 def benchmark_outputs(bench: Benchmark, splits: Splits, workdir: str, *,
                       predict: Callable[[tuple[str, str], Dataset], list[dict]]) -> dict:
   """{'official': the leaderboard's metrics of the dev splits (test_* too where a test
-  split has labels), 'score': their mean, 'submissions': the files written}.
+  split has labels; SQuAD 2.0's HasAns_* / NoAns_* too), 'score': the mean of the dev
+  splits' headline metrics (Benchmark.metrics), 'submissions': the files written}.
 
   predict(("dev" | "test", split), dataset): the split's prediction rows
   (finetune/evaluate.prediction_rows). Every process calls this (prediction is
@@ -36,7 +37,7 @@ def benchmark_outputs(bench: Benchmark, splits: Splits, workdir: str, *,
                for name, dataset in splits.test.items()})
   official = bench.official_metrics({name: rows["dev", name] for name in splits.dev}, labels,
                                     {name: d.golds for name, d in splits.dev.items()})
-  score = float(np.mean(list(official.values())))
+  score = float(np.mean([v for k, v in official.items() if bench.scores(k)]))
   for name, dataset in splits.test.items():
     if dataset.labeled:
       official.update({f"test_{k}": v for k, v in bench.official_metrics(

@@ -64,6 +64,7 @@ class Benchmark:
   label_format: str = "index"
   positive_label: int = 1  # F1's positive class (MRPC, QQP)
   folder: str = ""
+  unanswerable: bool = False  # questions may have no answer (SQuAD 2.0)
 
   @property
   def tfds_name(self) -> str:
@@ -144,7 +145,8 @@ class Benchmark:
                      ) -> dict[str, float]:
     if self.kind == "span":
       predicted = [row["prediction"] or "" for row in rows]
-      return metrics_lib.squad_scores(predicted, [g or [""] for g in golds])
+      return metrics_lib.squad_scores(predicted, [g or [""] for g in golds],
+                                      "v2.0" if self.unanswerable else "v1.1")
     if self.kind == "regression":
       predicted = np.array([_score(row["prediction"]) for row in rows], np.float64)
       gold = np.array(golds, np.float64)
@@ -158,6 +160,13 @@ class Benchmark:
               "macro_f1": metrics_lib.macro_f1(predicted, gold),
               "mcc": metrics_lib.matthews_corrcoef(predicted, gold)}
     return {k: 100 * scores[k] for k in self.metrics}
+
+  def scores(self, key: str) -> bool:
+    """Whether an official_metrics key is one of the headline metrics a task's score
+    averages (MNLI's with their _matched / _mismatched suffix; not SQuAD 2.0's
+    HasAns_* / NoAns_*)."""
+    return key in self.metrics or (len(self.dev_splits) > 1
+                                   and key.rsplit("_", 1)[0] in self.metrics)
 
   # ---------------------------------------------------------------- submissions
   def submission_lines(self, rows: list[dict], ids: list, label_names: Sequence[str]) -> str:
@@ -267,7 +276,8 @@ BENCHMARKS: dict[str, Benchmark] = {b.tfds_name: b for b in [
               submission=(("validation", "predictions.json"),), submission_format="squad_json"),
     Benchmark("squad", "v2.0", "span", "{question}", "question: {question} context:"
               " {context}", "{context}", ("exact_match", "f1"),
-              submission=(("validation", "predictions.json"),), submission_format="squad_json"),
+              submission=(("validation", "predictions.json"),), submission_format="squad_json",
+              unanswerable=True),
 ]}
 
 SUITES = {suite: [b.name for b in BENCHMARKS.values() if b.suite == suite]

@@ -8,7 +8,7 @@ suite's score, and the table finetune-suite prints.
 from __future__ import annotations
 
 from t5x_like.benchmarks.metrics import glue_score
-from t5x_like.benchmarks.registry import SUITES
+from t5x_like.benchmarks.registry import SUITES, benchmark
 
 SUITE_NAMES = {"glue": "GLUE", "super_glue": "SuperGLUE", "squad": "SQuAD"}
 # Tasks of each leaderboard's score (Wang et al. 2019a, 2019b; diagnostics excluded):
@@ -17,9 +17,12 @@ LEADERBOARD_TASKS = {"glue": 9, "super_glue": 8}
 
 
 def summarize(suite: str, rows: dict[str, dict]) -> dict:
-  """suite.json: the tasks' rows, the mean of their scores (each task's official metrics
-  averaged first, benchmarks/metrics.glue_score), and how much of the suite it covers."""
-  score = glue_score({task: r["official"] for task, r in rows.items()}) if rows else 0.0
+  """suite.json: the tasks' rows, the mean of their scores (each task's headline
+  official metrics averaged first, benchmarks/metrics.glue_score), and how much of the
+  suite it covers."""
+  score = glue_score({task: {k: v for k, v in r["official"].items()
+                             if benchmark(f"{suite}/{task}").scores(k)}
+                      for task, r in rows.items()}) if rows else 0.0
   total = LEADERBOARD_TASKS.get(suite, len(SUITES[suite]))
   name = SUITE_NAMES.get(suite, suite)
   complete = suite in LEADERBOARD_TASKS and len(rows) == total

@@ -47,8 +47,10 @@ def benchmark_task(config, text_to_text: bool) -> Task:
   options.update(name=bench.task_name(text_to_text), text_column="text", label_column="label",
                  text_pair_column="text_pair" if bench.text_pair and not text_to_text else "",
                  task_prefix="", labels=())
-  if bench.kind == "span" and not text_to_text:
-    options.update(answer_text_column="answer_text", answer_start_column="answer_start")
+  if bench.kind == "span":
+    options.update(allow_no_answer=bench.unanswerable)
+    if not text_to_text:
+      options.update(answer_text_column="answer_text", answer_start_column="answer_start")
   return task_from_config(ml_collections.ConfigDict(options))
 
 

@@ -161,19 +161,27 @@ def encode_examples(examples: Sequence[Example], tokenizer: Tokenizer, task: Tas
                     family: str = "encoder", label_names: Optional[Sequence[str]] = None
                     ) -> tuple[Features, dict[str, int]]:
   """Every example encoded by `task` for a `family` backbone and stacked:
-  {feature: [N, ...]}, and stats {examples, <task.encode_flag>: count}."""
+  {feature: [N, ...]}, and stats {examples, <task.encode_flag>: count}. A task whose
+  examples span several rows (Task.encode) gives every row, with example_index [N] and
+  stats["rows"]."""
   if family not in task.families:
     raise ValueError(f"task {task.name!r} has no encoding for the {family!r} family"
                      f" (it supports {', '.join(task.families)})")
   rows, flags = [], []
-  for example in examples:
+  for k, example in enumerate(examples):
     features, flag = task.encode(example, tokenizer, family, label_names)
-    rows.append(features)
+    if isinstance(features, list):
+      rows.extend({**row, "example_index": np.int32(k)} for row in features)
+    else:
+      rows.append(features)
     flags.append(flag)
   if not rows:
     raise ValueError("no examples to encode")
   batch = {name: np.stack([r[name] for r in rows]) for name in rows[0]}
-  return batch, {"examples": len(rows), task.encode_flag: int(sum(flags))}
+  stats = {"examples": len(flags), task.encode_flag: int(sum(flags))}
+  if "example_index" in batch:
+    stats["rows"] = len(rows)
+  return batch, stats
 
 
 class EncodedRows(Objective):

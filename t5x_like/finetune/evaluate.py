@@ -125,15 +125,18 @@ def prediction_rows(model, predictions: Any, dataset: Dataset,
   what joins the row to the dataset's files), and the task's gold and predicted values
   (text to text: the generated label, None when it is no label, and `ranked`)."""
   task, rows = model.task, []
+  ranked = None
+  if model.text_to_text and not model.generates_text:
+    predicted = task.prediction_rows(predictions["generated"], features, dataset)
+    ranked = task.prediction_rows(predictions["ranked"], features, dataset)
+  else:
+    predicted = task.prediction_rows(predictions, features, dataset)
   for k, example in enumerate(dataset.examples):
     row = {"line": example.line}
     if dataset.ids is not None:
       row["idx"] = dataset.ids[k]
-    if model.text_to_text and not model.generates_text:
-      row.update(task.prediction_row(k, example, predictions["generated"], features, dataset))
-      row["ranked"] = task.prediction_row(k, example, predictions["ranked"], features,
-                                          dataset)["prediction"]
-    else:
-      row.update(task.prediction_row(k, example, predictions, features, dataset))
+    row.update(predicted[k])
+    if ranked is not None:
+      row["ranked"] = ranked[k]["prediction"]
     rows.append(row)
   return rows

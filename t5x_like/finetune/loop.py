@@ -87,6 +87,18 @@ def truncation_warning(stats: dict, max_length: int,
           f" are cut at task.max_length={max_length} tokens; {remedy}")
 
 
+def answers_lost_warning(stats: dict, task) -> Optional[str]:
+  """One log line when some training answers are in no window whole (span extraction:
+  stats["answers_lost"] of encode_examples)."""
+  lost = stats.get("answers_lost", 0)
+  if not lost:
+    return None
+  return (f"warning: {lost:,} of {stats['examples']:,} training answers lie whole in no"
+          f" window of task.max_length={task.max_length} tokens (doc_stride="
+          f"{task.doc_stride}); those examples train on the no-answer span: raise"
+          " task.max_length")
+
+
 class _FinalPredictions:
   """finetune/task_data.FinalPredictions of the final weights: the main dev split's are
   the last evaluation's; another split's are made once, when first asked for."""
@@ -208,8 +220,9 @@ def finetune(config: ml_collections.ConfigDict, workdir, *, data: Optional[TaskD
     warning = truncation_warning(train_stats, task.max_length,
                                  mc.max_position_embeddings
                                  if mc.position_embedding == "learned" else None)
-    if warning:
-      run.writer.log(warning)
+    for warning in (warning, answers_lost_warning(train_stats, task)):
+      if warning:
+        run.writer.log(warning)
 
     # ------------------------------------------------------------------ state, resume
     def create():

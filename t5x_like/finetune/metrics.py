@@ -9,9 +9,14 @@
   normalize_answer(text)                     SQuAD: lower, drop punctuation, articles,
                                              extra whitespace
   exact_match(prediction, answers)           max over the gold answers, 0 / 1
-  token_f1(prediction, answers)              max over the gold answers of the token F1
-  squad_scores(predictions, answers)         {'exact_match', 'f1'} in percent
-  label_scores(predictions, labels)          {"accuracy", "macro_f1"}
+  token_f1(prediction, answers, version)     max over the gold answers of the token F1
+  squad_scores(predictions, answers, version)  evaluate-v1.1.py / evaluate-v2.0.py, in
+                                             percent
+  label_scores(predictions, labels)          {"accuracy", "macro_f1"} in percent
+
+A task's metrics (Task.metrics: the progress lines, metrics.jsonl, final_metrics.json)
+are in percent, as the benchmarks' official figures; the functions above that return
+one figure give fractions.
 
 The GLUE score, a benchmark suite's, is t5x_like/benchmarks/metrics.py.
 """
@@ -79,36 +84,61 @@ def exact_match(prediction: str, answers: Answers) -> float:
                    for a in _as_list(answers)))
 
 
-def _token_f1(prediction: str, answer: str) -> float:
+def _token_f1(prediction: str, answer: str, empty_matches_empty: bool) -> float:
   pred, gold = normalize_answer(prediction).split(), normalize_answer(answer).split()
-  if not pred or not gold:  # SQuAD 2.0: both empty (no answer) counts as a match
+  if empty_matches_empty and (not pred or not gold):  # evaluate-v2.0.py's compute_f1
     return float(pred == gold)
   common = sum((collections.Counter(pred) & collections.Counter(gold)).values())
-  if common == 0:
+  if common == 0:  # evaluate-v1.1.py's f1_score: an empty side shares nothing
     return 0.0
   precision, recall = common / len(pred), common / len(gold)
   return 2 * precision * recall / (precision + recall)
 
 
-def token_f1(prediction: str, answers: Answers) -> float:
-  """Max over gold answers of the F1 of shared normalised tokens (bag of words)."""
-  return max(_token_f1(prediction, a) for a in _as_list(answers))
+def token_f1(prediction: str, answers: Answers, version: str = "v1.1") -> float:
+  """Max over gold answers of the F1 of shared normalised tokens (bag of words); v1.1:
+  an empty prediction or answer scores 0, v2.0: empty against empty scores 1."""
+  return max(_token_f1(prediction, a, version == "v2.0") for a in _as_list(answers))
 
 
-def squad_scores(predictions: Sequence[str], answers: Sequence[Answers]) -> dict[str, float]:
-  """{'exact_match', 'f1'}: means over examples, in percent (as the SQuAD script)."""
+SQUAD_VERSIONS = ("v1.1", "v2.0")
+
+
+def squad_scores(predictions: Sequence[str], answers: Sequence[Answers],
+                 version: str = "v1.1") -> dict[str, float]:
+  """SQuAD's official evaluation, in percent: means over questions of the best exact
+  match and token F1 against any gold answer.
+
+  v1.1 (evaluate-v1.1.py): {'exact_match', 'f1'}; an empty prediction scores 0.
+  v2.0 (evaluate-v2.0.py): gold answers that normalise to "" are dropped, and a
+  question left with none has the one gold answer "" (unanswerable: only the empty
+  prediction scores); adds 'HasAns_exact_match', 'HasAns_f1' and 'NoAns_exact_match',
+  'NoAns_f1' over the answerable / unanswerable questions, where there are any."""
+  if version not in SQUAD_VERSIONS:
+    raise ValueError(f"SQuAD version {version!r}: expected one of {SQUAD_VERSIONS}")
   if len(predictions) != len(answers):
     raise ValueError(f"{len(predictions)} predictions for {len(answers)} examples")
   if not predictions:
     return {"exact_match": 0.0, "f1": 0.0}
-  em = [exact_match(p, a) for p, a in zip(predictions, answers)]
-  f1 = [token_f1(p, a) for p, a in zip(predictions, answers)]
-  return {"exact_match": 100.0 * float(np.mean(em)), "f1": 100.0 * float(np.mean(f1))}
+  golds = [_as_list(a) or [""] for a in answers]
+  if version == "v2.0":
+    golds = [[a for a in g if normalize_answer(a)] or [""] for g in golds]
+  em = np.array([exact_match(p, g) for p, g in zip(predictions, golds)])
+  f1 = np.array([token_f1(p, g, version) for p, g in zip(predictions, golds)])
+  out = {"exact_match": 100.0 * float(em.mean()), "f1": 100.0 * float(f1.mean())}
+  if version == "v2.0":
+    has_answer = np.array([g != [""] for g in golds])
+    for name, keep in (("HasAns", has_answer), ("NoAns", ~has_answer)):
+      if keep.any():
+        out[f"{name}_exact_match"] = 100.0 * float(em[keep].mean())
+        out[f"{name}_f1"] = 100.0 * float(f1[keep].mean())
+  return out
 
 
 def label_scores(predictions, labels) -> dict[str, float]:
-  """{'accuracy', 'macro_f1'} over labels >= 0."""
-  return {"accuracy": accuracy(predictions, labels), "macro_f1": macro_f1(predictions, labels)}
+  """{'accuracy', 'macro_f1'} over labels >= 0, in percent (as the benchmarks report)."""
+  return {"accuracy": 100.0 * accuracy(predictions, labels),
+          "macro_f1": 100.0 * macro_f1(predictions, labels)}
 
 
 def binary_f1(predictions, labels, positive: int = 1) -> float:

@@ -8,7 +8,7 @@ for one row of a CSV / JSONL file, how to
   parse it      required_columns, row_labels, parse      -> Example (or BadRow)
   encode it     encode(example, tokenizer, family, ...)  -> fixed-length features
   train on it   head, forward, normalizers, loss         (FinetuneModel calls them)
-  evaluate it   predict, metrics, prediction_row         (finetune/evaluate.py)
+  evaluate it   predict, metrics, prediction_row(s)      (finetune/evaluate.py)
 
 A task that lists the "encoder_decoder" family fine-tunes T5 text to text: its encode
 writes the label string as decoder targets and it defines label_targets(tokenizer,
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, ClassVar, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence, Union
 
 import flax.linen as nn
 import jax
@@ -160,9 +160,11 @@ class Task(abc.ABC):
 
   # ---------------------------------------------------------------- features
   @abc.abstractmethod
-  def encode(self, example: Example, tokenizer, family: str,
-             label_names: Sequence[str]) -> tuple[Features, bool]:
-    """Fixed-length features of one example, and whether anything was cut (encode_flag)."""
+  def encode(self, example: Example, tokenizer, family: str, label_names: Sequence[str]
+             ) -> tuple[Union[Features, list[Features]], bool]:
+    """Fixed-length features of one example (or of each of its rows: a task whose
+    example spans several rows, e.g. span extraction's windows, lists them and names
+    "example_index" in host_features), and whether anything was cut (encode_flag)."""
 
   # ---------------------------------------------------------------- model
   def dropout_rate(self, model_config) -> float:
@@ -197,4 +199,10 @@ class Task(abc.ABC):
   @abc.abstractmethod
   def prediction_row(self, k: int, example: Example, predictions, features: Features,
                      dataset) -> dict:
-    """What dev_predictions.jsonl says about dev row k, besides its line."""
+    """What dev_predictions.jsonl says about dev example k, besides its line."""
+
+  def prediction_rows(self, predictions, features: Features, dataset) -> list[dict]:
+    """prediction_row of every example of dataset (a task whose examples span several
+    rows answers them all at once)."""
+    return [self.prediction_row(k, example, predictions, features, dataset)
+            for k, example in enumerate(dataset.examples)]

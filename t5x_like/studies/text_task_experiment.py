@@ -316,11 +316,11 @@ def main(argv: Optional[list[str]] = None) -> int:
       final = {(kind, arm, count, seed): run(arm, kind, count, seed, best[arm, kind])
                for kind in kinds for arm in arms for count in counts for seed in seeds}
       for (kind, arm, count, seed), future in final.items():
-        m = future.result()
+        m = future.result()  # fine-tuning's metrics are percent; the study's, fractions
         rows.append(dict(family=family, kind=kind, count=count, seed=seed, arm=arm,
                          variant=a.variant, lr=best[arm, kind], steps=m["step"],
-                         dev_accuracy=m["accuracy"], test_accuracy=m["test_accuracy"],
-                         seconds=m["seconds"]))
+                         dev_accuracy=m["accuracy"] / 100,
+                         test_accuracy=m["test_accuracy"] / 100, seconds=m["seconds"]))
     with open(results, "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in rows)
     with open(os.path.join(workdir, "tables.md"), "w") as f:

@@ -8,8 +8,8 @@
                           text_to_text=False, the encoder alone reads "prefix: a (pair:
                           b)" + eos and a head classifies its pooled states (EncT5,
                           Liu et al. 2021); the decoder is not used
-Metrics: accuracy and macro F1 (text to text: of the generated labels, and rank_* of
-the ranked ones).
+Metrics: accuracy and macro F1 in percent (text to text: of the generated labels, and
+rank_* of the ranked ones).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 
 Rows: the text (and text pair) columns and a numeric label column. Encoder: pooled
 [CLS] (or mean pooling) -> one value; decoder: the last real token -> one value.
-Loss: mean squared error. Metrics: Pearson and Spearman correlation and the MSE.
+Loss: mean squared error. Metrics: Pearson and Spearman correlation (x 100, as GLUE
+reports them) and the MSE.
 
 This file is the whole task type (the README's worked example of a new one): rows,
 encoding, head, loss, predictions and metrics; the registry finds it by its TASK.
@@ -81,8 +82,8 @@ class Regression(Task):
   def metrics(self, predictions, features, dataset):
     predicted = np.asarray(predictions, np.float64)
     gold = np.asarray(features["labels"], np.float64)
-    return {"pearson": metrics_lib.pearson(predicted, gold),
-            "spearman": metrics_lib.spearman(predicted, gold),
+    return {"pearson": 100.0 * metrics_lib.pearson(predicted, gold),
+            "spearman": 100.0 * metrics_lib.spearman(predicted, gold),
             "mse": float(np.mean(np.square(predicted - gold)))}
 
   def prediction_row(self, k, example, predictions, features, dataset):

@@ -3,11 +3,12 @@
   "question: Who wrote it? context: ..." -> "Mary Shelley" + eos
 
 Rows: the input text (text column; a benchmark writes the whole T5 input there) and the
-target text (label column; may be empty: the target is then eos alone, which SQuAD 2.0
-uses for "no answer"). Training is the encoder-decoder loss on the target (FinetuneModel's
-text-to-text path, no head); evaluation generates greedily up to target_length tokens
-and scores the text with SQuAD's exact match and token F1 against every gold answer
-(dataset.golds when the rows carry several, else the row's target).
+target text (label column; empty, with allow_no_answer, makes the target eos alone:
+SQuAD 2.0's "no answer"). Training is the encoder-decoder loss on the target
+(FinetuneModel's text-to-text path, no head); evaluation generates greedily up to
+target_length tokens and scores the text with SQuAD's exact match and token F1 against
+every gold answer (dataset.golds when the rows carry several, else the row's target;
+evaluate-v2.0.py's rules with allow_no_answer, else v1.1's).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class TextGeneration(Task):
   encode_flag: ClassVar[str] = "truncated"
 
   target_length: int = 8
+  allow_no_answer: bool = False  # an empty target allowed; scored by evaluate-v2.0.py
 
   def row_labels(self, record):
     return []
@@ -43,6 +45,9 @@ class TextGeneration(Task):
     target = field(record, self.label_column)
     if not isinstance(target, str):
       raise BadRow("bad_value", f"column {self.label_column!r} is not a string: {target!r}")
+    if not target.strip() and not self.allow_no_answer:
+      raise BadRow("no_answer", f"column {self.label_column!r} is empty: an empty target"
+                   " (no answer) needs config.task.allow_no_answer=true (SQuAD 2.0)")
     return Example(text, label=target.strip(), line=line)
 
   def encode(self, example, tokenizer, family, label_names):
@@ -75,8 +80,8 @@ class TextGeneration(Task):
 
   def metrics(self, predictions, features, dataset):
     golds = dataset.golds or [example.label for example in dataset.examples]
-    return metrics_lib.squad_scores(list(predictions), [g or [""] if isinstance(g, list)
-                                                        else g for g in golds])
+    return metrics_lib.squad_scores(list(predictions), golds,
+                                    "v2.0" if self.allow_no_answer else "v1.1")
 
   def prediction_row(self, k, example, predictions, features, dataset):
     return {"answer": example.label, "prediction": predictions[k]}

@@ -4,7 +4,7 @@ Rows: `text` (whitespace-separated words) and a label column with one tag per wo
 (JSONL: a list of strings or one space-separated string; CSV: space-separated).
 Encoder only: [CLS] words [SEP]; labels [B, L] = the word's tag on its first
 sub-token, -1 elsewhere (weight 0). Head: dropout and a dense D -> C per position.
-Metrics: accuracy and macro F1 over the first sub-token of each word.
+Metrics: accuracy and macro F1 (percent) over the first sub-token of each word.
 """
 
 from __future__ import annotations
