@@ -103,8 +103,31 @@ def test_every_answer_is_in_a_window_and_the_others_point_at_cls():
     assert set(counts.values()) == {1}
   # An answer longer than a window's room is lost, and counted.
   long_answer = _example("Who?", "The city of light is Paris, where he lives; nothing else.")
-  _, stats = encode_examples([long_answer], tok, task)
+  _, stats = encode_examples([long_answer], tok, task, training=True)
   assert stats["answers_lost"] == 1
+
+
+def test_windows_overlap_by_the_longest_answer_and_training_adds_one_for_longer_ones():
+  tok = _wordpiece()
+  # 16 positions, a 2-token question: room 11; max_answer_tokens 4 caps the stride at
+  # 11 - 4 + 1 = 8 although doc_stride asks for 10. CONTEXT's 28 tokens: windows at
+  # tokens 0 (The), 8 (he), 16 (panel), 24 (in).
+  task = make_task("span_extraction", text_pair_column="context", max_length=16,
+                   doc_stride=10, max_answer_tokens=4)
+  example = _example("Who?", "is Paris, where he lives; nothing")  # tokens 4-11
+  features, stats = encode_examples([example], tok, task)
+  offsets = features["context_offsets"]
+  firsts = [int(row[np.flatnonzero(row[:, 0] >= 0)[0], 0]) for row in offsets]
+  assert firsts == [0, CONTEXT.index("he lives"), CONTEXT.index("panel"),
+                    CONTEXT.index("in 2015")]
+  # 8 tokens, longer than max_answer_tokens: no evaluation window holds it whole ...
+  assert stats["answers_lost"] == 1 and not features["start_positions"].any()
+  # ... and training adds one around it (tokens 3-13).
+  train, train_stats = encode_examples([example], tok, task, training=True)
+  assert train_stats["answers_lost"] == 0 and train_stats["rows"] == stats["rows"] + 1
+  np.testing.assert_array_equal(train["context_offsets"][:-1], offsets)
+  assert span_text(CONTEXT, train["context_offsets"][-1], train["start_positions"][-1],
+                   train["end_positions"][-1]) == example.answer_text
 
 
 def test_a_question_without_an_answer_needs_allow_no_answer():

@@ -158,18 +158,19 @@ def encode_text_to_text(tokenizer: Tokenizer, example: Example, label_names: Seq
 
 # ------------------------------------------------------------------ batches
 def encode_examples(examples: Sequence[Example], tokenizer: Tokenizer, task: Task, *,
-                    family: str = "encoder", label_names: Optional[Sequence[str]] = None
-                    ) -> tuple[Features, dict[str, int]]:
+                    family: str = "encoder", label_names: Optional[Sequence[str]] = None,
+                    training: bool = False) -> tuple[Features, dict[str, int]]:
   """Every example encoded by `task` for a `family` backbone and stacked:
   {feature: [N, ...]}, and stats {examples, <task.encode_flag>: count}. A task whose
   examples span several rows (Task.encode) gives every row, with example_index [N] and
-  stats["rows"]."""
+  stats["rows"]. training: the training split's rows (Task.encode_for_training)."""
   if family not in task.families:
     raise ValueError(f"task {task.name!r} has no encoding for the {family!r} family"
                      f" (it supports {', '.join(task.families)})")
   rows, flags = [], []
   for k, example in enumerate(examples):
-    features, flag = task.encode(example, tokenizer, family, label_names)
+    encode = task.encode_for_training if training else task.encode
+    features, flag = encode(example, tokenizer, family, label_names)
     if isinstance(features, list):
       rows.extend({**row, "example_index": np.int32(k)} for row in features)
     else:

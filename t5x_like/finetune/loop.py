@@ -88,15 +88,14 @@ def truncation_warning(stats: dict, max_length: int,
 
 
 def answers_lost_warning(stats: dict, task) -> Optional[str]:
-  """One log line when some training answers are in no window whole (span extraction:
-  stats["answers_lost"] of encode_examples)."""
+  """One log line when some training answers are in no window whole, being longer than
+  one (span extraction: stats["answers_lost"] of encode_examples)."""
   lost = stats.get("answers_lost", 0)
   if not lost:
     return None
-  return (f"warning: {lost:,} of {stats['examples']:,} training answers lie whole in no"
-          f" window of task.max_length={task.max_length} tokens (doc_stride="
-          f"{task.doc_stride}); those examples train on the no-answer span: raise"
-          " task.max_length")
+  return (f"warning: {lost:,} of {stats['examples']:,} training answers are longer than a"
+          f" window of task.max_length={task.max_length} tokens; those examples train on"
+          " the no-answer span: raise task.max_length")
 
 
 class _FinalPredictions:
@@ -180,7 +179,7 @@ def finetune(config: ml_collections.ConfigDict, workdir, *, data: Optional[TaskD
     encode_kw = dict(family=family, label_names=train_set.labels)
     try:
       train_features, train_stats = encode_examples(train_set.examples, backbone.tokenizer,
-                                                    task, **encode_kw)
+                                                    task, training=True, **encode_kw)
       dev_features, dev_stats = encode_examples(dev_set.examples, backbone.tokenizer, task,
                                                 **encode_kw)
       extra_features = {  # the other dev splits and the test splits

@@ -166,6 +166,13 @@ class Task(abc.ABC):
     example spans several rows, e.g. span extraction's windows, lists them and names
     "example_index" in host_features), and whether anything was cut (encode_flag)."""
 
+  def encode_for_training(self, example: Example, tokenizer, family: str,
+                          label_names: Sequence[str]
+                          ) -> tuple[Union[Features, list[Features]], bool]:
+    """encode for the training split (a task whose training rows may depend on the
+    label, e.g. a window around an answer, says so here; evaluation uses encode)."""
+    return self.encode(example, tokenizer, family, label_names)
+
   # ---------------------------------------------------------------- model
   def dropout_rate(self, model_config) -> float:
     return model_config.dropout_rate if self.classifier_dropout < 0 else self.classifier_dropout

@@ -6,15 +6,20 @@ text and its start (a character offset into the context). An empty answer means 
 answer" and needs task.allow_no_answer (SQuAD 2.0).
 
 Windows (a document stride): the question is cut to max_question_length tokens and the
-context is laid out in windows of what max_length leaves, each starting doc_stride
-tokens after the last, so every answer that fits a window is inside one:
+context is laid out in windows of what max_length leaves (room), each starting
+doc_stride tokens after the last (less where needed for windows to overlap by
+max_answer_tokens - 1, half a window at most, so that every answer the model can
+predict lies whole in some window):
   [CLS] question [SEP] context[s : s + room] [SEP]     one feature row per window
+Training rows add one window centred on an answer that is still in none (a longer
+one) when it fits a window; evaluation rows never depend on the answer.
 start_positions / end_positions [] = the answer's first / last token where the window
 holds the whole answer, else 0 ([CLS], "not in this window"); context_offsets [L, 2] =
 each context token's character span in the context (-1 elsewhere); max_context [L] = 1
 where this window is the token's "max context" one (the most tokens on its shorter
 side, run_squad's _check_is_max_context); example_index [] = the row's example.
-An answer no window holds whole is counted as `answers_lost`.
+An answer no window holds whole is counted as `answers_lost` (in training, only one
+longer than a window).
 
 Head: a dense D -> 2 (BertForQuestionAnswering's qa_outputs); loss (start CE + end CE)
 / 2. Prediction (run_squad's write_predictions): each window's n_best_size best starts
@@ -120,9 +125,16 @@ def answer_tokens(spans: Sequence[tuple[int, int]], char_start: int, char_end: i
 
 
 def encode_windows(tokenizer, example: Example, max_length: int, max_question_length: int = 64,
-                   doc_stride: int = 128) -> tuple[list[Features], bool]:
+                   doc_stride: int = 128, max_answer_tokens: int = 30, training: bool = False
+                   ) -> tuple[list[Features], bool]:
   """The example's window rows (module docstring) and whether its answer was lost (it
-  has one and no window holds it whole)."""
+  has one and no window holds it whole).
+
+  Windows overlap by min(max_answer_tokens - 1, room // 2) tokens at least (the stride
+  is at most room minus that), so that every answer the model can predict lies whole
+  in some window (room: what max_length leaves after the question). training: an answer still in no window (a
+  longer one) gets one more window, centred on it, when it fits one; evaluation rows
+  never depend on the answer."""
   question = tokenizer.encode(example.text)[:max_question_length]
   context, spans = tokenizer.encode_with_offsets(example.text_pair)
   room = max_length - len(question) - 3
@@ -133,7 +145,14 @@ def encode_windows(tokenizer, example: Example, max_length: int, max_question_le
   if example.answer_text:
     answer = answer_tokens(spans, example.answer_start,
                            example.answer_start + len(example.answer_text))
-  windows = doc_windows(len(context), room, doc_stride)
+  overlap = min(max_answer_tokens - 1, room // 2)
+  windows = doc_windows(len(context), room, min(doc_stride, room - overlap))
+  holds = lambda w: answer is not None and w[0] <= answer[0] and answer[1] < w[0] + w[1]
+  if training and answer is not None and not any(map(holds, windows)):
+    size = answer[1] - answer[0] + 1
+    if size <= room:
+      start = min(max(0, answer[0] - (room - size) // 2), max(0, len(context) - room))
+      windows.append((start, min(room, len(context) - start)))
   best_window = max_context_windows(windows, len(context))
   first = len(question) + 2  # the position of a window's first context token
   rows, found = [], False
@@ -145,7 +164,7 @@ def encode_windows(tokenizer, example: Example, max_length: int, max_question_le
       offsets[first:first + length] = spans[start:start + length]
       max_context[first:first + length] = best_window[start:start + length] == w
     begin = end = 0
-    if answer is not None and start <= answer[0] and answer[1] < start + length:
+    if holds((start, length)):
       begin, end, found = first + answer[0] - start, first + answer[1] - start, True
     rows.append({**features, "start_positions": np.int32(begin), "end_positions": np.int32(end),
                  "context_offsets": offsets, "max_context": max_context})
@@ -305,7 +324,11 @@ class SpanExtraction(Task):
 
   def encode(self, example, tokenizer, family, label_names):
     return encode_windows(tokenizer, example, self.max_length, self.max_question_length,
-                          self.doc_stride)
+                          self.doc_stride, self.max_answer_tokens)
+
+  def encode_for_training(self, example, tokenizer, family, label_names):
+    return encode_windows(tokenizer, example, self.max_length, self.max_question_length,
+                          self.doc_stride, self.max_answer_tokens, training=True)
 
   def head(self, model_config, num_labels, deterministic):
     return SpanExtractionHead(init_std=model_config.init_std,
