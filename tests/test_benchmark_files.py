@@ -331,18 +331,21 @@ def test_missing_files_and_neither_source(tmp_path):
   config = load_config("glue", "rte,smoke")
   config.benchmark.data_dir = _rte_dir(tmp_path / "partial", GLUE_FILES["RTE/dev.tsv"])
   os.remove(tmp_path / "partial" / "RTE" / "test.tsv")
-  with pytest.raises(BenchmarkError, match=r"glue/rte: .*/partial/RTE/test.tsv is missing"
+  with pytest.raises(BenchmarkError, match=r"^glue/rte: .*/partial/RTE/test.tsv is missing"
                                            r" \(the test split; files there: dev.tsv,"
-                                           r" train.tsv\)"):
+                                           r" train.tsv\); to train without it:"
+                                           r" --config.benchmark.predict_test=false$"):
     sources.check_benchmark(config.benchmark)
   config.benchmark.predict_test = False  # the test split is not needed then
   sources.check_benchmark(config.benchmark)
   config.benchmark.data_dir = str(tmp_path / "empty")
+  os.makedirs(tmp_path / "empty")  # there, holding neither
   with pytest.raises(BenchmarkError) as info:
     sources.check_benchmark(config.benchmark)
   empty = tmp_path / "empty"
   assert str(info.value).endswith(f"looked for {empty}/glue/rte/*/dataset_info.json and"
                                   f" GLUE's {empty}/RTE/train.tsv")
+  assert "(or set config.benchmark.data_dir)" not in str(info.value)  # it is set
   config = load_config("squad", "v2.0,smoke")
   config.benchmark.data_dir = str(empty)
   with pytest.raises(BenchmarkError, match=f"SQuAD's {empty}/train-v2.0.json$"):
@@ -353,12 +356,53 @@ def test_malformed_jsonl_row_is_a_bad_row(tmp_path):
   os.makedirs(tmp_path / "CB")
   good = json.dumps({"premise": "P", "hypothesis": "H", "idx": 0, "label": "neutral"})
   (tmp_path / "CB" / "val.jsonl").write_text(good + "\n{not json\n" + json.dumps(
-      {"premise": "P", "idx": 2, "label": "neutral"}) + "\n")
+      {"premise": "P", "idx": 2, "label": "neutral"}) + '\n{"premise": "P, "idx": 3}\n')
   part = files_source.read_split(benchmark("super_glue/cb"), "validation", str(tmp_path))
   assert len(part.examples) == 1
   assert [(line, row.problem) for line, row in part.bad_rows] == [
-      (2, "not a JSON object (Expecting property name enclosed in double quotes)"),
-      (3, "no field 'hypothesis'")]
+      (2, "not a JSON object (Expecting property name enclosed in double quotes: column 2)"),
+      (3, "no field 'hypothesis'"),
+      (4, "not a JSON object (Expecting ',' delimiter: column 18)")]
+  (tmp_path / "CB" / "val.jsonl").write_text(good + '\n{"premise": "P\n')
+  config = load_config("superglue", "cb,smoke")
+  with pytest.raises(UserError) as info:  # the line, as the run reports it
+    sources.read_benchmark_split(benchmark("super_glue/cb"), "validation",
+                                 run_task(config, False), text_to_text=False,
+                                 data_dir=str(tmp_path))
+  assert str(info.value) == (f"{tmp_path}/CB/val.jsonl:2: not a JSON object (Unterminated"
+                             " string starting at: column 13)")
+
+
+def test_a_data_dir_that_is_a_file_missing_or_in_another_case_is_said_so(tmp_path):
+  """Each its own line, without `tfds build` or the advice to set the key just set."""
+  config = load_config("superglue", "cb,smoke")
+
+  def error(data_dir) -> str:
+    config.benchmark.data_dir = str(data_dir)
+    with pytest.raises(BenchmarkError) as info:
+      sources.check_benchmark(config.benchmark)
+    return str(info.value)
+
+  (tmp_path / "a_file.txt").write_text("not a folder\n")
+  assert error(tmp_path / "a_file.txt") == (
+      f"config.benchmark.data_dir={tmp_path}/a_file.txt is a file; expected the folder"
+      " that holds SuperGLUE's CB/train.jsonl or a TFDS build")
+  assert error(tmp_path / "nowhere") == (
+      f"config.benchmark.data_dir={tmp_path}/nowhere: no such directory")
+  lower = tmp_path / "superglue"
+  os.makedirs(lower / "cb")
+  for split in ("train", "val", "test"):
+    (lower / "cb" / f"{split}.jsonl").write_text("")
+  assert error(lower) == (f"super_glue/cb: {lower} holds cb/ where CB/ is read (names are"
+                          " case-sensitive: rename it)")
+  (lower / "cb" / "train.jsonl").rename(lower / "cb" / "Train.jsonl")
+  (lower / "cb").rename(lower / "CB")  # the folder right, a file in another case
+  assert error(lower) == (f"super_glue/cb: {lower} holds CB/Train.jsonl where"
+                          " CB/train.jsonl is read (names are case-sensitive: rename it)")
+  os.makedirs(tmp_path / "tfds" / "Super_Glue" / "cb")  # a TFDS build's folder too
+  assert error(tmp_path / "tfds") == (
+      f"super_glue/cb: {tmp_path}/tfds holds Super_Glue/ where super_glue/ is read (names"
+      " are case-sensitive: rename it)")
 
 
 # ------------------------------------------------------------------ end to end

@@ -281,6 +281,7 @@ def test_finetune_suite_prints_one_table_and_resumes(data_dir, tmp_path):
 def test_bad_benchmark_input_is_one_line_exit_2_and_writes_nothing(data_dir, tmp_path):
   missing_label = str(tmp_path / "broken")
   build_benchmark(missing_label, "glue/rte", SIZES, drop="label")
+  os.makedirs(tmp_path / "empty")  # there, holding neither the files nor a build
   cases = [
       (["finetune", f"--config={ROOT}/configs/glue.py:colaa,smoke"], "unknown task 'colaa'"),
       (["finetune", f"--config={ROOT}/configs/glue.py:rte,smoke",

@@ -128,12 +128,53 @@ def holds_files(bench: Benchmark, data_dir: str) -> bool:
 
 
 def check_files(bench: Benchmark, data_dir: str, splits: Sequence[str]) -> None:
-  """BenchmarkError naming the first of the splits' files that is not there."""
+  """BenchmarkError naming the first of the splits' files that is not there (a test
+  split's names the key that turns it off)."""
   for split in splits:
     path = split_file(bench, split, data_dir)
     if not os.path.isfile(path):
+      check_case(bench, data_dir, os.path.relpath(path, data_dir))
       raise BenchmarkError(f"{bench.tfds_name}: {path} is missing (the {split} split; files"
-                           f" there: {', '.join(_listing(os.path.dirname(path)))})")
+                           f" there: {', '.join(_listing(os.path.dirname(path)))})"
+                           + skip_test_hint(bench, split))
+
+
+def skip_test_hint(bench: Benchmark, split: str) -> str:
+  """How to run without a test split (predicted for the submission files only); ""
+  for a split the run cannot do without."""
+  if split in bench.dev_splits or split not in dict(bench.submission):
+    return ""
+  return "; to train without it: --config.benchmark.predict_test=false"
+
+
+def check_case(bench: Benchmark, data_dir: str, relative: str) -> None:
+  """BenchmarkError where data_dir/relative is not there but a name on the way to it is,
+  in another case (`cb/` for `CB/`)."""
+  found = wrong_case(data_dir, relative)
+  if found:
+    raise BenchmarkError(f"{bench.tfds_name}: {data_dir} holds {found[0]} where {found[1]}"
+                         " is read (names are case-sensitive: rename it)")
+
+
+def wrong_case(data_dir: str, relative: str) -> Optional[tuple[str, str]]:
+  """(what data_dir holds, what is read), both relative to data_dir, where a folder or
+  file on the way to data_dir/relative differs from its name only in case (`cb/` for
+  `CB/`); else None."""
+  here = ""
+  for part in relative.split("/"):
+    path = os.path.join(here, part)
+    if os.path.exists(os.path.join(data_dir, path)):
+      here = path
+      continue
+    parent = os.path.join(data_dir, here)
+    names = sorted(os.listdir(parent)) if os.path.isdir(parent) else []
+    same = [name for name in names if name.lower() == part.lower()]
+    if not same:
+      return None
+    found = os.path.join(here, same[0])
+    slash = "/" if os.path.isdir(os.path.join(data_dir, found)) else ""
+    return found + slash, path + slash
+  return None
 
 
 def _listing(directory: str) -> list[str]:
@@ -242,7 +283,7 @@ def _superglue_rows(bench: Benchmark, split: str, text: str):
       try:
         row = json.loads(source)
       except json.JSONDecodeError as e:
-        raise BadRow("bad_json", f"not a JSON object ({e.msg})") from None
+        raise BadRow("bad_json", f"not a JSON object ({e.msg}: column {e.colno})") from None
       absent = [f for f in (*fields, "idx") if not isinstance(row, dict) or f not in row]
       if absent:
         raise BadRow("missing_field", f"no field {absent[0]!r}")

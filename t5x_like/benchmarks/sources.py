@@ -11,11 +11,13 @@ the Dataset) is one path.
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
+from t5x_like import fs
 from t5x_like.benchmarks import files_source, tfds_source
 from t5x_like.benchmarks.files_source import SplitExamples
-from t5x_like.benchmarks.registry import Benchmark, benchmark
+from t5x_like.benchmarks.registry import Benchmark, BenchmarkError, benchmark
 from t5x_like.benchmarks.tfds_source import benchmark_data_dir
 from t5x_like.finetune.data import Dataset, dataset_from_rows
 from t5x_like.finetune.task import BadRow, Task
@@ -32,16 +34,42 @@ def _files_hint(bench: Benchmark, data_dir: str) -> str:
 
 def check_benchmark(benchmark_config) -> None:
   """BenchmarkError for config.benchmark's first problem: an unknown name; a data_dir
-  holding neither the task's files nor its TFDS build; a split file, a split or a
-  feature missing (reads file listings or TFDS metadata only)."""
+  set to a file or to nothing there, or holding a folder in another case (`cb/` for
+  `CB/`); a data_dir holding neither the task's files nor its TFDS build; a split file,
+  a split or a feature missing (reads file listings or TFDS metadata only)."""
   bench = benchmark(benchmark_config.name)
   data_dir = benchmark_data_dir(benchmark_config.data_dir)
+  if benchmark_config.data_dir:
+    _check_data_dir(bench, data_dir)
   tests = [split for split, _ in bench.submission] if benchmark_config.predict_test else []
   splits = list(dict.fromkeys(["train", *bench.dev_splits, *tests]))
   if files_source.holds_files(bench, data_dir):
     files_source.check_files(bench, data_dir, splits)
   else:
-    tfds_source.check_splits(bench, splits, data_dir, _files_hint(bench, data_dir))
+    _check_case(bench, data_dir)
+    tfds_source.check_splits(bench, splits, data_dir, _files_hint(bench, data_dir),
+                             data_dir_set=bool(benchmark_config.data_dir))
+
+
+def _check_data_dir(bench: Benchmark, data_dir: str) -> None:
+  """BenchmarkError for a config.benchmark.data_dir that is a file or is not there."""
+  if fs.is_url(data_dir) or tfds_source.is_built(bench, data_dir):
+    return  # a TFDS build in a bucket: tfds_source reads it; or a mocked TFDS
+  if os.path.isfile(data_dir):
+    raise BenchmarkError(f"config.benchmark.data_dir={data_dir} is a file; expected the"
+                         f" folder that holds {_files_hint(bench, '')} or a TFDS build")
+  if not os.path.isdir(data_dir):
+    raise BenchmarkError(f"config.benchmark.data_dir={data_dir}: no such directory")
+
+
+def _check_case(bench: Benchmark, data_dir: str) -> None:
+  """BenchmarkError where data_dir holds the task's files or build under a name in
+  another case (`cb/` for `CB/`); called when neither was found as named."""
+  if tfds_source.is_built(bench, data_dir):
+    return
+  train = os.path.relpath(files_source.split_file(bench, "train", data_dir), data_dir)
+  for relative in (train, f"{bench.suite}/{bench.name}"):
+    files_source.check_case(bench, data_dir, relative)
 
 
 def open_examples(bench: Benchmark, split: str, data_dir: str) -> SplitExamples:
