@@ -247,9 +247,10 @@ def check_config_key(config, key: str, flag: str) -> None:
     if not close and parent:
       close = _closest(key, [k for k in known if k.startswith(parent + ".")], cutoff=0.4)
     hint = (f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else
-            f"; the config has no key {'.'.join(key.split('.')[:i + 1])!r}"
-            " (t5x_like/train/defaults.py lists every key)")
-    raise FlagError(f"{flag}: unknown config key {key!r}{hint}")
+            f"; the config has no key {'.'.join(key.split('.')[:i + 1])!r}")
+    schema = "finetune" if {"init", "task"} <= set(config.keys()) else "train"  # its defaults
+    raise FlagError(f"{flag}: unknown config key {key!r}{hint} (t5x_like/{schema}/defaults.py"
+                    " lists every key)")
 
 
 # ------------------------------------------------------- open sections (model.overrides)

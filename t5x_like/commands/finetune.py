@@ -14,8 +14,15 @@ The backbone (init.*; docs/commands.md):
                     else init.default_config (the benchmark configs: BERT-base / T5 base).
                     The random arm of a run's architecture:
                     --config.init.config=WORKDIR/config.py without init.checkpoint
-  init.hf           or a Hugging Face checkpoint directory
-  init.step, init.model_overrides, init.default_config
+  init.hf           or a Hugging Face checkpoint directory, in any form it was saved
+                    (BertModel, BertForSequenceClassification, GPT2Model, ...): what the
+                    task reads loads, and the log says what is skipped and what starts
+                    at random (docs/models-and-data.md)
+  init.hf_random    true: init.hf's architecture and tokenizer, random weights
+  init.model_overrides  ModelConfig fields that keep the weights' shapes (dropout_rate,
+                    dtype, ...): --config.init.model_overrides.dropout_rate=0.0 each, or
+                    --config.init.model_overrides="{'dropout_rate': 0.0, ...}"
+  init.step, init.default_config
 The task: task.* (task.name, task.train_file, task.dev_file, task.max_length, ...).
 A benchmark instead of files (configs/glue.py, superglue.py, squad.py set them):
   benchmark.name                 "glue/cola", "super_glue/cb", "squad/v1.1", ...

@@ -4,7 +4,12 @@
   backbone.model_config, backbone.tokenizer, backbone.params (None = random init)
 
 From a pretraining config (init.config) and, optionally, the checkpoint its `train`
-run wrote (init.checkpoint); or from a Hugging Face checkpoint directory (init.hf).
+run wrote (init.checkpoint); or from a Hugging Face checkpoint directory (init.hf), in
+any form it was saved (BertModel, BertForPreTraining, BertForSequenceClassification,
+GPT2Model, T5EncoderModel, ...: t5x_like/hf/backbone.py): what the run's task reads
+is loaded (BERT's pooler where its head has one, T5's decoder when text to text), the
+rest skipped, and resolve_init's notes say both and what starts at random; with
+init.hf_random the checkpoint's architecture and tokenizer start at random.
 
 init.config left "" (the benchmark configs leave it so) is resolved by resolve_init:
 the config.py that `t5x-like train` saved in init.checkpoint's workdir
@@ -78,12 +83,15 @@ def resolve_init(config) -> ResolvedInit:
   init.default_config; a copy, with task.max_length cut to that backbone's learned
   positions when it has fewer. Unchanged when init.config or init.hf is set, or when
   there is nothing to fill in (load_backbone then says what to set). Its pretrain:
-  init.config parsed, where it is set and init.hf is not."""
+  init.config parsed, where it is set and init.hf is not. With init.hf its notes say
+  what of the checkpoint loads, what is skipped and what starts at random (hf_notes;
+  names and shapes are checked here, from the files' headers)."""
   init = config.init
-  if init.hf or init.config:
-    pretrain = parse_pretrain_config(init.config) if init.config and not init.hf else None
-    return ResolvedInit(config, "config.init.config" if init.config else "config.init.hf", (),
-                        pretrain)
+  _check_init_keys(init)
+  if init.hf:
+    return ResolvedInit(config, "config.init.hf", hf_notes(config))
+  if init.config:
+    return ResolvedInit(config, "config.init.config", (), parse_pretrain_config(init.config))
   saved = saved_config_path(init.checkpoint)
   if saved:
     chosen, origin = saved, f"saved by the train run in {train_workdir(init.checkpoint)}"
@@ -127,6 +135,156 @@ def _learned_positions(pretrain: PretrainConfig, model_overrides) -> Optional[in
   return model_config.max_position_embeddings
 
 
+def _check_init_keys(init) -> None:
+  """BackboneError for init keys that do not go together."""
+  if init.get("hf_random", False) and not init.hf:
+    raise BackboneError("config.init.hf_random=true needs config.init.hf: the Hugging Face"
+                        " checkpoint directory whose architecture and tokenizer to take")
+  if init.hf and init.config:
+    raise BackboneError("config.init: set exactly one of init.config (a pretraining config,"
+                        " with init.checkpoint for its weights) and init.hf (a Hugging Face"
+                        " checkpoint directory)")
+  if init.hf and init.checkpoint:
+    raise BackboneError("config.init: init.checkpoint goes with init.config, not init.hf")
+
+
+# ------------------------------------------------------------------ init.hf
+class HFTaskUse(NamedTuple):
+  """What the run's task reads of a Hugging Face backbone."""
+  pooler: bool  # its head may start from BERT's pooler (classification, regression)
+  decoder: bool  # T5 text to text: the decoder is trained too
+  head: str  # "the classification head" (random at the start); "" text to text
+  known: bool = True  # False: a benchmark's task, whose type its registry sets
+
+
+def hf_task_use(config, model_type: str) -> HFTaskUse:
+  """HFTaskUse of config.task on a checkpoint of `model_type`. A benchmark's task type
+  is its registry's (t5x_like/benchmarks, above this package): the pooler is then
+  loaded where the checkpoint has one (FinetuneModel.load_backbone copies it where
+  the head reads one) and the head is "the task's head"."""
+  from t5x_like.finetune.tasks import task_from_config
+  text_to_text = model_type == "t5" and bool(config.task.text_to_text)
+  head = "" if text_to_text else "the task's head"
+  if config.benchmark.get("name"):
+    return HFTaskUse(model_type == "bert", text_to_text, head, known=False)
+  try:
+    task = task_from_config(config.task)
+    name, pooler = task.name, bool(getattr(task, "pooler", False))
+  except (UserError, ValueError, TypeError, KeyError):  # the config check names it
+    name, pooler = config.task.name, bool(config.task.get("pooler", False))
+  return HFTaskUse(pooler and model_type == "bert", text_to_text,
+                   "" if text_to_text else f"the {name} head")
+
+
+def _hf_import(config, read: bool):
+  """hf.load_backbone of init.hf for the run's task: (BackboneImport, HFTaskUse)."""
+  from t5x_like import hf
+  path = config.init.hf
+  use = hf_task_use(config, hf.read_config(path).get("model_type"))
+  try:
+    imported = hf.load_backbone(path, pooler=use.pooler, decoder=use.decoder, read=read,
+                                **_overrides(config))
+  except (TypeError, ValueError) as e:
+    if isinstance(e, UserError):
+      raise
+    raise BackboneError(f"config.init.model_overrides: {e}") from None
+  if "decoder" in imported.missing:
+    raise BackboneError(
+        f"config.init.hf={path!r}: {imported.architecture} has no decoder (decoder.block.*),"
+        " which text-to-text fine-tuning trains: set --config.task.text_to_text=false to"
+        " fine-tune its encoder under a head")
+  return imported, use
+
+
+def _overrides(config) -> dict:
+  return dict(config.init.model_overrides)
+
+
+def _describe(model_config, architecture: str) -> str:
+  return (f"{architecture} ({model_config.num_layers} layers, d_model"
+          f" {model_config.d_model}, vocab {model_config.vocab_size})")
+
+
+def _names(parts) -> str:
+  parts = list(parts)
+  return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+_PART_NAMES = {"lm_head": "output layer (lm_head)"}
+
+
+def hf_notes(config) -> tuple[str, ...]:
+  """The log lines of init.hf (names and shapes checked, no weights read): what loads,
+  what is skipped (one line), what starts at random (one line); with init.hf_random,
+  one line."""
+  from t5x_like import hf
+  path = config.init.hf
+  if config.init.get("hf_random", False):
+    architecture, model_config = _hf_architecture(config)
+    notes = [f"init.hf_random: random initialisation of the architecture of {path}, a"
+             f" {_describe(model_config, architecture)}, tokenized as it is; no weights"
+             " read"]
+  else:
+    imported, use = _hf_import(config, read=False)
+    model_config = imported.config
+    notes = [f"init.hf: {path} is a {_describe(model_config, imported.architecture)};"
+             f" loading its {_names(_PART_NAMES.get(p, p) for p in imported.loaded)}"
+             f" ({sum(imported.loaded.values())} tensors)"]
+    groups = hf.skipped_groups(imported)
+    if groups:
+      notes.append(f"init.hf: skipped {len(imported.skipped)} tensor(s) fine-tuning does not"
+                   " use: " + ", ".join(
+                       f"{pattern} ({n}{': ' + what if what else ''})"
+                       for pattern, n, what in groups))
+    where = "" if use.known else ", where the task's head reads one"
+    fresh = [f"the {p} (not in the checkpoint{where})" for p in imported.missing]
+    if use.head:
+      fresh.append(use.head)
+    if fresh:
+      notes.append(f"init.hf: initialised at random: {', '.join(fresh)}")
+  positions = model_config.max_position_embeddings
+  if (model_config.position_embedding == "learned"
+      and config.task.max_length > positions):
+    raise BackboneError(f"config.task.max_length={config.task.max_length} exceeds the"
+                        f" {positions} learned positions of config.init.hf={path!r}:"
+                        f" set --config.task.max_length={positions} or less")
+  return tuple(notes)
+
+
+def _hf_architecture(config):
+  """(architecture, the fine-tuning ModelConfig) of init.hf's config.json."""
+  from t5x_like import hf
+  from t5x_like.models.model import model_class
+  try:
+    architecture, model_config = hf.model_config(config.init.hf, **_overrides(config))
+  except (TypeError, ValueError) as e:
+    if isinstance(e, UserError):
+      raise
+    raise BackboneError(f"config.init.model_overrides: {e}") from None
+  return architecture, model_class(model_config).finetune_config(model_config)
+
+
+def _hf_backbone(config) -> Backbone:
+  """Backbone of init.hf: its weights (what the task reads), or with init.hf_random
+  its architecture initialised at random (params drawn here from config.seed, so that
+  the run's log and its start match those of a loaded checkpoint)."""
+  path = config.init.hf
+  if config.init.get("hf_random", False):
+    import jax
+    from t5x_like.models.model import build_model
+    architecture, model_config = _hf_architecture(config)
+    params = jax.device_get(jax.jit(build_model(model_config).init)(
+        jax.random.key(config.seed)))
+    source = (f"random initialisation (init.hf_random) of the architecture of Hugging Face"
+              f" checkpoint {path} ({architecture})")
+  else:
+    imported, _ = _hf_import(config, read=True)
+    model_config, params = imported.config, imported.params
+    source = f"Hugging Face checkpoint {path} ({imported.architecture})"
+  return Backbone(model_config, _hf_tokenizer(config, path, model_config.family), params,
+                  source)
+
+
 def _tokenizer(config, default) -> Tokenizer:
   vocab = config.tokenizer.vocab
   if not vocab:
@@ -135,13 +293,13 @@ def _tokenizer(config, default) -> Tokenizer:
       ".txt") else as_tokenizer(vocab)
 
 
-def _hf_tokenizer(config, path: str, hf_model_type: str) -> Tokenizer:
+def _hf_tokenizer(config, path: str, family: str) -> Tokenizer:
   """tokenizer.vocab if set; else the checkpoint's vocab.txt (WordPiece, lower-casing
-  as its tokenizer_config.json says) for BERT."""
+  as its tokenizer_config.json says) for BERT (the encoder family)."""
   if config.tokenizer.vocab:
     return _tokenizer(config, None)
   vocab_txt = os.path.join(path, "vocab.txt")
-  if hf_model_type == "bert" and os.path.isfile(vocab_txt):
+  if family == "encoder" and os.path.isfile(vocab_txt):
     lowercase = config.tokenizer.lowercase
     tok_config = os.path.join(path, "tokenizer_config.json")
     if os.path.isfile(tok_config):
@@ -162,17 +320,13 @@ def load_backbone(config, origin: Optional[str] = None,
     config, origin, _, pretrain = resolve_init(config)
   init = config.init
   overrides = dict(init.model_overrides)
-  if bool(init.hf) == bool(init.config):
-    raise BackboneError("config.init: set exactly one of init.config (a pretraining config,"
-                     " with init.checkpoint for its weights) and init.hf (a Hugging Face"
-                     " checkpoint directory)")
+  _check_init_keys(init)
   if init.hf:
-    from t5x_like import hf
-    if init.checkpoint:
-      raise BackboneError("config.init: init.checkpoint goes with init.config, not init.hf")
-    model, params = hf.load(init.hf, **overrides)
-    return Backbone(model.config, _hf_tokenizer(config, init.hf, model.hf_model_type),
-                    params, f"Hugging Face checkpoint {init.hf}")
+    return _hf_backbone(config)
+  if not init.config:
+    raise BackboneError("config.init: set exactly one of init.config (a pretraining config,"
+                        " with init.checkpoint for its weights) and init.hf (a Hugging Face"
+                        " checkpoint directory)")
   from t5x_like.experiment import build_model_from_config
   parsed = (pretrain if pretrain is not None and pretrain.spec == init.config else
             parse_pretrain_config(init.config))

@@ -7,7 +7,8 @@ The backbone is named by a pretraining config (init.config: its model and vocabu
 sections, so the architecture always matches what `t5x-like train` wrote) and
 initialised from that run's checkpoint (init.checkpoint), or at random when
 init.checkpoint is "", or from a Hugging Face checkpoint directory (init.hf: the
-architecture and tokenizer come from it, vocab.txt for BERT).
+architecture and tokenizer come from it, vocab.txt for BERT; init.hf_random: its
+architecture at random).
 """
 
 from __future__ import annotations
@@ -31,8 +32,18 @@ def default_finetune_config() -> ml_collections.ConfigDict:
   c.init.default_config = ""
   c.init.checkpoint = ""  # its train workdir / checkpoints dir / step dir; "" = random init
   c.init.step = -1  # checkpoint step; -1 = the latest
-  c.init.hf = ""  # or: a Hugging Face checkpoint directory (instead of init.config)
-  c.init.model_overrides = ml_collections.ConfigDict()  # e.g. dropout_rate (not shapes)
+  # Or: a Hugging Face checkpoint directory (instead of init.config): config.json,
+  # model.safetensors (and vocab.txt for BERT), saved in any form (BertModel,
+  # BertForPreTraining, BertForSequenceClassification, GPT2Model, T5EncoderModel, ...):
+  # what the task reads loads (BERT's pooler where it has one), the log says what is
+  # skipped and what starts at random (docs/models-and-data.md).
+  c.init.hf = ""
+  c.init.hf_random = False  # True: init.hf's architecture and tokenizer, random weights
+  # ModelConfig fields (t5x_like/models/config.py) that replace the backbone's, not its
+  # shapes: dropout_rate, attention_dropout_rate, dtype, remat_policy, ... One per flag,
+  # --config.init.model_overrides.dropout_rate=0.0, or all at once as a dict,
+  # --config.init.model_overrides="{'dropout_rate': 0.0, 'attention_dropout_rate': 0.0}".
+  c.init.model_overrides = ml_collections.ConfigDict()
 
   # The task and its files; the other task.* keys are the options of the task types
   # (the fields of each Task in t5x_like/finetune/tasks/, with their defaults).

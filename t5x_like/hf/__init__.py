@@ -1,27 +1,31 @@
 """Hugging Face checkpoints: `model, params = load(path)` and `save(model, params, path)`;
-`export(model, params)` gives what save writes, in memory (`config_json(model)` its config).
+`export(model, params)` gives what save writes, in memory (`config_json(model)` its config);
+`load_backbone(path, ...)` a fine-tuning backbone from any form the checkpoint was
+saved in (hf/backbone.py), `model_config(path)` the architecture alone.
 
 Supported: BertForPreTraining, GPT2LMHeadModel, T5ForConditionalGeneration (v1.0 and
 v1.1), as local directories with config.json and model.safetensors (or a sharded
-model.safetensors.index.json). Weights are read with safetensors' numpy API.
+model.safetensors.index.json); `load` takes BERT without its MLM / NSP heads too
+(BertModel, BertForMaskedLM, ...: the model has the heads the file has).
+Weights are read with safetensors' numpy API.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
 import numpy as np
 
-from t5x_like.hf import bert, gpt2, t5
+from t5x_like.hf import bert, t5
+from t5x_like.hf.backbone import (BY_MODEL_TYPE as _BY_MODEL_TYPE, BackboneImport,
+                                  family_module, load_backbone, model_config, skipped_groups)
 from t5x_like.hf.io import CheckpointError, Weights, read_config, write_checkpoint
 from t5x_like.hf.mapping import export_params, import_params
 from t5x_like.models.model import Model, build_model
 
-__all__ = ["CheckpointError", "config_json", "export", "load", "save"]
-
-_BY_MODEL_TYPE = {"bert": bert, "gpt2": gpt2, "t5": t5}
+__all__ = ["BackboneImport", "CheckpointError", "config_json", "export", "load",
+           "load_backbone", "model_config", "save", "skipped_groups"]
 
 
 def load(path: str, **config_overrides) -> tuple[Model, Any]:
@@ -31,17 +35,17 @@ def load(path: str, **config_overrides) -> tuple[Model, Any]:
   weights (dtype, scan_layers, remat_policy, dropout_rate, ...).
   """
   hf_config = read_config(path)
-  model_type = hf_config.get("model_type")
-  if model_type not in _BY_MODEL_TYPE:
-    raise CheckpointError(
-        f"{os.path.join(path, 'config.json')}: model_type={model_type!r} is not supported"
-        f" (supported: {sorted(_BY_MODEL_TYPE)})")
-  family = _BY_MODEL_TYPE[model_type]
+  family = family_module(hf_config, path)
   weights = Weights(path)
   if family is t5:
     config = family.config_from_hf(hf_config, path, weights)
   else:
     config = family.config_from_hf(hf_config, path)
+  if family is bert:  # the heads the file has (BertModel: none)
+    names = weights.names()
+    config = config.replace(
+        mlm_head=any(n.startswith("cls.predictions.") for n in names),
+        nsp_head=any(n.startswith("cls.seq_relationship.") for n in names))
   if config_overrides:
     config = config.replace(**config_overrides)
   resolve = family.resolve_factory(set(weights.names()))

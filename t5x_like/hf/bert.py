@@ -7,6 +7,13 @@ from t5x_like.hf.mapping import Path, TensorSpec, check_expressible, linear_spec
 from t5x_like.models.config import ModelConfig, bert
 
 ARCHITECTURE = "BertForPreTraining"
+BASE_PREFIX = "bert."  # the bare BertModel's tensors inside the models with heads
+# What the forms transformers saves hold besides the backbone (names without
+# BASE_PREFIX), for fine-tuning's log of what it skips.
+HEADS = {"cls.predictions.": "the MLM head", "cls.seq_relationship.": "the NSP head",
+         "pooler.": "the pooler", "classifier.": "the checkpoint's task head",
+         "qa_outputs.": "the checkpoint's question-answering head"}
+BUFFERS = ("embeddings.position_ids",)  # not parameters: never reported
 # Tied copies and buffers that the model does not need as parameters.
 IGNORED = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias",
            "embeddings.position_ids")
@@ -91,6 +98,24 @@ def spec(path: Path) -> TensorSpec:
   if sub == "mlp_norm":
     return norm_spec(f"{layer}.output.LayerNorm", leaf)
   raise KeyError(f"no BERT tensor for param {'/'.join(path)}")
+
+
+def part_of(path: Path) -> str:
+  """The part of the model a parameter belongs to (hf.load_backbone loads by parts)."""
+  top = path[0]
+  if top in ("token_embed", "position_embed", "type_embed", "embedding_norm"):
+    return "embeddings"
+  if top in ("mlm_transform", "mlm_norm", "mlm_bias"):
+    return "mlm_head"
+  return "nsp_head" if top == "nsp" else top  # encoder, pooler
+
+
+def backbone_parts(pooler: bool, decoder: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """(the parts fine-tuning loads, those of them a checkpoint may lack): the pooler
+  where the task's head reads it; BertForTokenClassification / QuestionAnswering /
+  MaskedLM save none."""
+  del decoder
+  return ("embeddings", "encoder") + (("pooler",) if pooler else ()), ("pooler",)
 
 
 def resolve_factory(names: set[str]):

@@ -8,6 +8,13 @@ from t5x_like.models.config import ModelConfig, gpt2
 
 ARCHITECTURE = "GPT2LMHeadModel"
 IGNORED = ("lm_head.weight", "attn.bias", "attn.masked_bias")
+BASE_PREFIX = "transformer."  # the bare GPT2Model's tensors inside the models with heads
+HEADS = {"lm_head.": "the LM head (tied to the embeddings)",
+         "score.": "the checkpoint's classification head",
+         "classifier.": "the checkpoint's task head",
+         "qa_outputs.": "the checkpoint's question-answering head",
+         "multiple_choice_head.": "the checkpoint's multiple-choice head"}
+BUFFERS = ("attn.bias", "attn.masked_bias")
 _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
                 "relu": "relu"}
 
@@ -74,6 +81,16 @@ def spec(path: Path) -> TensorSpec:
   if sub == "mlp":
     return _conv1d(f"{block}.mlp.{'c_fc' if path[3] == 'wi' else 'c_proj'}", leaf)
   raise KeyError(f"no GPT-2 tensor for param {'/'.join(path)}")
+
+
+def part_of(path: Path) -> str:
+  return "embeddings" if path[0] in ("token_embed", "position_embed") else "decoder"
+
+
+def backbone_parts(pooler: bool, decoder: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """(the parts fine-tuning loads: all of GPT-2 but its tied LM head, none optional)."""
+  del pooler, decoder
+  return ("embeddings", "decoder"), ()
 
 
 def _conv1d(prefix: str, leaf: str, in_dims: int = 1, part=(0, 1)) -> TensorSpec:

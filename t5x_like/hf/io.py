@@ -92,16 +92,25 @@ class Weights:
 
   def take(self, name: str, shape: Sequence[int]) -> np.ndarray:
     """The tensor `name` as float32, checked against `shape`."""
+    self.check(name, shape)
+    return np.asarray(self.read(name), dtype=np.float32)
+
+  def check(self, name: str, shape: Sequence[int]) -> None:
+    """Marks `name` used after checking its shape (from the file's header: no data read)."""
     if name not in self._where:
       raise CheckpointError(f"{self.file_of()}: missing tensor {name!r} (expected shape"
                             f" {tuple(shape)})")
     with safe_open(self._where[name], framework="numpy") as f:
-      value = f.get_tensor(name)
-    if tuple(value.shape) != tuple(shape):
+      found = tuple(f.get_slice(name).get_shape())
+    if found != tuple(shape):
       raise CheckpointError(f"{self._where[name]}: tensor {name!r} has shape"
-                            f" {tuple(value.shape)}, expected {tuple(shape)}")
+                            f" {found}, expected {tuple(shape)}")
     self.used.add(name)
-    return np.asarray(value, dtype=np.float32)
+
+  def read(self, name: str) -> np.ndarray:
+    """The tensor `name` as stored, unchecked and not marked used."""
+    with safe_open(self._where[name], framework="numpy") as f:
+      return f.get_tensor(name)
 
   def report_unused(self, ignore: Iterable[str] = ()) -> list[str]:
     """Names never taken (minus known buffers); logged as a warning."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional
 
 import flax
 import jax
@@ -134,6 +134,42 @@ def import_params(config: ModelConfig, weights: Weights, spec_fn: SpecFn,
   if config.scan_layers:
     flat = stack_layers(flat)
   return flax.traverse_util.unflatten_dict(flat)
+
+
+def import_parts(config: ModelConfig, weights: Weights, spec_fn: SpecFn,
+                 resolve: Callable[[str], str], part_of: Callable[[Path], str],
+                 wanted: tuple[str, ...], optional: tuple[str, ...] = (), read: bool = True
+                 ) -> tuple[Optional[dict], dict[str, int], tuple[str, ...]]:
+  """The parameters of `config`'s model in the parts `wanted` (part_of(path) names a
+  parameter's part) -> (nested params, or None with read=False: names and shapes are
+  checked from the files' headers, no data read; {part: tensors taken}, in `wanted`'s
+  order; the parts of `optional` the checkpoint has no tensor of, left out).
+  A part is taken whole or, when optional and absent, not at all; a missing tensor
+  of a part otherwise present is a CheckpointError naming it."""
+  entries: dict[str, list] = {part: [] for part in wanted}
+  for path, shape in _unscanned_shapes(config).items():
+    part = part_of(path)
+    if part in entries:
+      spec = spec_fn(path)
+      entries[part].append((path, shape, spec, resolve(spec.name)))
+  absent = tuple(part for part in wanted if part in optional and entries[part]
+                 and not any(name in weights for *_, name in entries[part]))
+  flat, cache, counts = {}, {}, {}
+  for part in wanted:
+    if part in absent or not entries[part]:
+      continue
+    for path, shape, spec, name in entries[part]:
+      if name not in cache:
+        hf_shape = _flat_hf_shape(spec, shape)
+        cache[name] = weights.take(name, hf_shape) if read else weights.check(name, hf_shape)
+        counts[part] = counts.get(part, 0) + 1
+      if read:
+        flat[path] = to_ours(spec, cache[name], shape)
+  if not read:
+    return None, counts, absent
+  if config.scan_layers:
+    flat = stack_layers(flat)
+  return flax.traverse_util.unflatten_dict(flat), counts, absent
 
 
 def export_params(config: ModelConfig, params: Mapping, spec_fn: SpecFn) -> dict[str, np.ndarray]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import numpy as np
 
@@ -14,12 +15,20 @@ log = logging.getLogger(__name__)
 
 ARCHITECTURE = "T5ForConditionalGeneration"
 IGNORED = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight")
+# The model inside T5ForSequenceClassification / T5ForTokenClassification (the others
+# have no prefix).
+BASE_PREFIX = "transformer."
+HEADS = {"decoder.": "the decoder", "lm_head.": "the output layer (lm_head)",
+         "classification_head.": "the checkpoint's classification head",
+         "classifier.": "the checkpoint's task head",
+         "qa_outputs.": "the checkpoint's question-answering head"}
+BUFFERS = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")  # copies of shared
 _ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh",
                 "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
 _GATED = {"relu": "reglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh", "silu": "swiglu"}
 
 
-def config_from_hf(hf: dict, path: str, weights: Weights) -> ModelConfig:
+def config_from_hf(hf: dict, path: str, weights: Optional[Weights] = None) -> ModelConfig:
   proj = hf.get("feed_forward_proj", "relu")
   gated = proj.startswith("gated-")
   act = "gelu_new" if proj == "gated-gelu" else hf.get("dense_act_fn", proj.split("-")[-1])
@@ -29,10 +38,14 @@ def config_from_hf(hf: dict, path: str, weights: Weights) -> ModelConfig:
   d_model = require(hf, "d_model", path)
   vocab = require(hf, "vocab_size", path)
   # transformers 5 always ties T5's lm_head to `shared`; older exports of v1.1 carry
-  # a separate lm_head, which we keep.
-  untied = "lm_head.weight" in weights and not np.array_equal(
-      weights.take("lm_head.weight", (vocab, d_model)),
-      weights.take("shared.weight", (vocab, d_model)))
+  # a separate lm_head, which we keep. Without weights (an architecture alone, to
+  # initialise at random): as config.json says.
+  if weights is None:
+    untied = not hf.get("tie_word_embeddings", True)
+  else:
+    untied = ("lm_head.weight" in weights and "shared.weight" in weights
+              and not np.array_equal(weights.read("lm_head.weight"),
+                                     weights.read("shared.weight")))
   scale = hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True))
   layers = require(hf, "num_layers", path)
   return t5(
@@ -113,6 +126,24 @@ def spec(path: Path) -> TensorSpec:
                      in_dims=2 if path[3] == "out" else 1)
 
 
+def part_of(path: Path) -> str:
+  return {"token_embed": "embeddings", "logits_dense": "lm_head"}.get(path[0], path[0])
+
+
+def backbone_parts(pooler: bool, decoder: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """(the parts fine-tuning loads: the encoder, and the decoder where it is trained
+  (text to text), those a checkpoint may lack): T5EncoderModel saves no decoder."""
+  del pooler
+  return ("embeddings", "encoder") + (("decoder", "lm_head") if decoder else ()), ("decoder",)
+
+
 def resolve_factory(names: set[str]):
-  del names
-  return lambda name: name
+  """T5ForSequenceClassification and T5ForTokenClassification keep the model under
+  'transformer.'."""
+
+  def resolve(name: str) -> str:
+    if name not in names and "transformer." + name in names:
+      return "transformer." + name
+    return name
+
+  return resolve
