@@ -8,12 +8,15 @@
                                    the recipe of Turc et al. 2019 (docs/glue.md)
 
 Arguments (big_vision style, t5x_like.train.defaults.parse_arg): the task (a TFDS config
-of the suite), family=bert|t5, smoke, cpu, epochs, data_dir (a TFDS data dir, or the
-benchmark's own files: GLUE's CoLA/train.tsv ...), max_steps (cpu: a cap on the steps of
-the epochs). Point
-init.checkpoint at a pretraining run (`--init` of finetune-suite): its workdir's
-config.py names the backbone; without init.checkpoint, or for a run that saved none,
-the backbone is init.default_config (BERT-base / T5 base; the CPU models with smoke).
+of the suite: cola, ..., boolq, ..., v1.1 or v2.0, SQuAD's also as v1 / v2), family=bert|t5,
+smoke, cpu, epochs, data_dir (a TFDS data dir, or the benchmark's own files: GLUE's
+CoLA/train.tsv ...), max_steps (cpu: a cap on the steps of the epochs). The epochs are
+passes over the train split the run reads (train.epochs, train.num_steps = 0: the steps
+are counted at run time and logged), so epochs=3 is three epochs of your own file too;
+--config.train.num_steps=N sets the steps instead. Point init.checkpoint at a
+pretraining run (`--init` of finetune-suite): its workdir's config.py names the
+backbone; without init.checkpoint, or for a run that saved none, the backbone is
+init.default_config (BERT-base / T5 base; the CPU models with smoke).
 
 The recipes: BERT's (Devlin et al. 2019, section 4): batch 32, 3 epochs, AdamW with a
 learning rate of 2e-5 (3e-5 for SQuAD), 10% linear warmup, sequences of 128 tokens (384
@@ -27,7 +30,6 @@ picks one per task on a split of train), 10% warmup; T5 text to text alike at 1e
 
 from __future__ import annotations
 
-import math
 import os
 
 import ml_collections
@@ -35,13 +37,6 @@ import ml_collections
 from t5x_like.benchmarks.registry import SUITES, benchmark
 from t5x_like.finetune.defaults import default_finetune_config
 from t5x_like.train.defaults import parse_arg
-
-# Training examples per task (the TFDS catalog), for the number of steps of N epochs.
-TRAIN_EXAMPLES = {
-    "glue/cola": 8551, "glue/sst2": 67349, "glue/mrpc": 3668, "glue/qqp": 363846,
-    "glue/stsb": 5749, "glue/mnli": 392702, "glue/qnli": 104743, "glue/rte": 2490,
-    "glue/wnli": 635, "super_glue/boolq": 9427, "super_glue/cb": 250, "super_glue/copa": 400,
-    "super_glue/rte": 2500, "super_glue/wic": 5428, "squad/v1.1": 87599, "squad/v2.0": 130319}
 
 _BACKBONES = {"bert": ("bert_pretrain.py:base", "bert_cpu.py:smoke"),
               "t5": ("t5_pretrain.py:base", "t5_cpu.py:smoke")}
@@ -71,22 +66,24 @@ def benchmark_config(suite: str, arg: str, configs_dir: str) -> ml_collections.C
   c.task.max_question_length = 64
   c.task.target_length = 32 if span else 16  # T5: answers / label strings + eos
   c.train.batch_size = 32
-  epochs = a.epochs or (4.0 if a.cpu else 3.0)
-  c.train.num_steps = max(1, math.ceil(epochs * TRAIN_EXAMPLES[bench.tfds_name] / 32))
+  # The steps of the epochs over the train split the run reads, known at run time
+  # (finetune/steps.py): the user's own file counts, not the split's published size.
+  c.train.num_steps = 0
+  c.train.epochs = a.epochs or (4.0 if a.cpu else 3.0)
   c.train.log_every = 50
   c.train.eval_every = 0  # dev metrics at the end
   c.train.checkpoint_every = 1000
   c.optimizer.name = "adamw"
   c.optimizer.schedule = "linear"
   c.optimizer.learning_rate = 1e-4 if a.family == "t5" else (3e-5 if span else 2e-5)
-  c.optimizer.warmup_steps = max(1, c.train.num_steps // 10)
+  c.optimizer.warmup_steps = 0
+  c.optimizer.warmup_fraction = 0.1
   c.optimizer.weight_decay = 0.01
   if a.cpu and not a.smoke:  # the CPU study (docs/glue.md): Turc et al.'s recipe
     c.init.default_config = os.path.join(configs_dir, _CPU_BACKBONES[a.family])
-    c.train.num_steps = min(c.train.num_steps, a.max_steps)
+    c.train.max_steps = a.max_steps
     c.train.checkpoint_every = 0
     c.optimizer.learning_rate = 1e-3 if a.family == "t5" else 1e-4
-    c.optimizer.warmup_steps = max(1, c.train.num_steps // 10)
   if a.smoke:  # the CPU models: 64 positions; a handful of steps on a few examples
     c.task.max_length = 64
     c.task.max_question_length = 16
@@ -98,5 +95,6 @@ def benchmark_config(suite: str, arg: str, configs_dir: str) -> ml_collections.C
     c.train.log_every = 2
     c.train.checkpoint_every = 0
     c.optimizer.warmup_steps = 1
+    c.optimizer.warmup_fraction = 0.0
     c.optimizer.learning_rate = 1e-3
   return c

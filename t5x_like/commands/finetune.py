@@ -35,6 +35,9 @@ A benchmark instead of files (configs/glue.py, superglue.py, squad.py set them):
   benchmark.holdout_fraction     > 0: this fraction of train is held out and scored as
                                  the dev split (finetune-suite --lr_grid)
   benchmark.holdout_seed         the seed that draws the held-out examples
+The steps: train.num_steps, or with train.num_steps=0 train.epochs passes over the
+training rows read, at most train.max_steps (the benchmark configs count epochs so;
+the log says the steps chosen); optimizer.warmup_fraction: a warmup of that share.
 Every key with its default: t5x_like/finetune/defaults.py.
 """
 

@@ -52,10 +52,19 @@ def validate_finetune(config, num_devices: Optional[int] = None,
   task = data.task(config, text_to_text=False)
   data.check(config)
   t = config.train
-  for key in ("batch_size", "num_steps", "microbatches", "log_every"):
+  for key in ("batch_size", "microbatches", "log_every"):
     positive(f"train.{key}", t[key])
-  for key in ("eval_every", "checkpoint_every"):
+  for key in ("num_steps", "epochs", "max_steps", "eval_every", "checkpoint_every"):
     positive(f"train.{key}", t[key], allow_zero=True)
+  if t.num_steps == 0 and t.epochs == 0:
+    raise ConfigError("train.num_steps=0 and train.epochs=0: set the steps, or the epochs"
+                      " over the training rows (train.epochs > 0 with train.num_steps=0)")
+  o = config.optimizer
+  if not 0 <= o.warmup_fraction < 1:
+    raise ConfigError(f"optimizer.warmup_fraction={o.warmup_fraction}: expected in [0, 1)")
+  if o.warmup_fraction > 0 and o.warmup_steps > 0:
+    raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps} and optimizer.warmup_fraction"
+                      f"={o.warmup_fraction}: set one of them, the other to 0")
   if t.batch_size % jax.process_count():
     raise ConfigError(f"train.batch_size={t.batch_size} does not divide over"
                       f" {jax.process_count()} processes")

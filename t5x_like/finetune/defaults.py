@@ -54,11 +54,14 @@ def default_finetune_config() -> ml_collections.ConfigDict:
   c.task.test_file = ""  # optional: scored once at the end (test_* in final_metrics.json)
   c.task.update(task_options())
 
-  # Or a benchmark task read from TFDS (t5x_like/benchmarks/registry.py): it sets the
-  # task type and columns; task.train_file / dev_file are then unused.
+  # Or a benchmark task (t5x_like/benchmarks/registry.py), read from its own files or a
+  # TFDS build: it sets the task type and columns; task.train_file / dev_file are then unused.
   c.benchmark = ml_collections.ConfigDict()
   c.benchmark.name = ""  # e.g. "glue/cola", "super_glue/cb", "squad/v1.1"
-  c.benchmark.data_dir = ""  # TFDS data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
+  # The benchmark's own files (GLUE's glue_data/ with CoLA/train.tsv ..., SuperGLUE's
+  # BoolQ/train.jsonl ..., SQuAD's train-v1.1.json ...) or a TFDS data dir holding its
+  # build; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets.
+  c.benchmark.data_dir = ""
   c.benchmark.predict_test = True  # predict the test splits, write the submission files
   c.benchmark.max_train_examples = 0  # > 0: the first N training examples only
   c.benchmark.max_eval_examples = 0  # > 0: the first N of each dev / test split
@@ -75,7 +78,11 @@ def default_finetune_config() -> ml_collections.ConfigDict:
 
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 32
-  c.train.num_steps = 300
+  c.train.num_steps = 300  # 0 = from train.epochs
+  # With num_steps = 0: this many passes over the training rows the run reads (its train
+  # file or split, after max_train_examples / holdout), at most max_steps (0 = no cap).
+  c.train.epochs = 0.0
+  c.train.max_steps = 0
   c.train.microbatches = 1
   c.train.log_every = 20
   c.train.eval_every = 100  # dev metrics every N steps and at the end; 0 = end only
@@ -84,6 +91,9 @@ def default_finetune_config() -> ml_collections.ConfigDict:
   c.optimizer = pretrain.optimizer
   c.optimizer.learning_rate = 5e-5
   c.optimizer.warmup_steps = 30
+  # > 0: the warmup is this fraction of the run's steps (known once the train split is
+  # read; warmup_steps must be 0 then).
+  c.optimizer.warmup_fraction = 0.0
   # Layer-wise lr decay (finetune/layer_decay.py): the head and top layer at the rate,
   # each layer below x layer_decay, the embeddings slowest; 1 = off.
   c.optimizer.layer_decay = 1.0

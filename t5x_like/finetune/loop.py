@@ -34,6 +34,7 @@ from t5x_like.finetune.evaluate import Predictor, dev_metrics, prediction_rows
 from t5x_like.finetune.layer_decay import layer_depths, scale_by_layer
 from t5x_like.finetune.model import FinetuneModel, finetunes_text_to_text
 from t5x_like.finetune.splits import FileTaskData
+from t5x_like.finetune.steps import resolve_steps
 from t5x_like.finetune.task_data import TaskData
 from t5x_like.models import model_class
 from t5x_like.train.optimizers import make_optimizer
@@ -193,6 +194,11 @@ def finetune(config: ml_collections.ConfigDict, workdir, *, data: Optional[TaskD
       raise FinetuneConfigError(f"config.task ({task.name}): {e}") from None
     mesh, rules = build_mesh(config)
     trained = {k: v for k, v in train_features.items() if k not in task.host_features}
+    # train.epochs: steps from the rows read (finetune/steps.py), before the run starts
+    config, steps_line = resolve_steps(config, len(next(iter(trained.values()))))
+    tc = config.train
+    run.set_total_steps(tc.num_steps)
+    run.writer.log(steps_line)
     batch_shapes = {k: (tc.batch_size, *v.shape[1:]) for k, v in trained.items()}
     optimizer, schedule = make_optimizer(config.optimizer, tc.num_steps)
     if config.optimizer.layer_decay != 1:

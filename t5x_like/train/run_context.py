@@ -59,6 +59,12 @@ class Run:
   preemption: Optional[Preemption] = None
   abandoned: bool = False  # a KeyboardInterrupt: the way out waits for no save
 
+  def set_total_steps(self, total_steps: int) -> None:
+    """The run's length, where it is known only after open_run (fine-tuning's
+    train.epochs count the rows read); before start(), which compares a checkpoint's step
+    with it."""
+    self.total_steps = self.writer.total_steps = int(total_steps)
+
   def start(self, abstract_state, create: Callable[[], tuple]) -> Start:
     """The latest checkpoint restored into `abstract_state`'s shardings, or
     create() -> (state, shardings) when there is none. Drops the metric rows after it
