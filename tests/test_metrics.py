@@ -5,6 +5,7 @@ import glob
 import json
 import math
 import os
+import re
 import struct
 
 import fsspec.implementations.memory
@@ -176,7 +177,7 @@ def test_non_main_process_writes_nothing(tmp_path, capsys):
 
 
 def test_progress_bar_shows_loss_and_log_prints(tmp_path, capsys):
-  writer = MetricWriter(str(tmp_path), total_steps=8)
+  writer = MetricWriter(str(tmp_path), total_steps=8, bar=True)  # as on a terminal
   writer.progress(2, 3.14159)
   writer.progress(4, jnp.asarray(2.5))
   writer.log("eval mlm_accuracy 0.5")
@@ -186,6 +187,25 @@ def test_progress_bar_shows_loss_and_log_prints(tmp_path, capsys):
   assert "loss=2.5000" in captured.err
   assert "4/8" in captured.err
   assert "eval mlm_accuracy 0.5" in captured.out + captured.err
+
+
+def test_progress_to_a_file_or_pipe_is_plain_lines(tmp_path, capsys):
+  """Output captured (not a terminal): no bar, no carriage return; one line per call,
+  the log's lines between them as they came."""
+  writer = MetricWriter(str(tmp_path), total_steps=8)
+  writer.progress(1, 3.14159)
+  writer.progress(4, jnp.asarray(2.5))
+  writer.log("step 4: dev accuracy=0.5000")
+  writer.progress(8, 2.0)
+  writer.close()
+  captured = capsys.readouterr()
+  assert writer._bar is None and captured.err == "" and "\r" not in captured.out
+  lines = captured.out.splitlines()
+  assert lines[0] == "step 1/8: loss 3.1416"
+  assert re.fullmatch(r"step 4/8: loss 2.5000, [0-9.e-]+ s/step, ETA \d\d:\d\d", lines[1])
+  assert lines[2] == "step 4: dev accuracy=0.5000"
+  assert re.fullmatch(r"step 8/8: loss 2.0000, [0-9.e-]+ s/step", lines[3])
+  assert len(lines) == 4
 
 
 def test_no_bar_without_console(tmp_path, capsys):

@@ -1,5 +1,5 @@
 """run_steps: how far the host runs ahead of the device (docs/known-issues.md: on fake
-CPU devices an unbounded run-ahead deadlocked XLA's all-reduce)."""
+CPU devices an unbounded run-ahead deadlocked XLA's all-reduce); when it shows progress."""
 
 import types
 
@@ -56,3 +56,18 @@ def test_the_host_runs_at_most_two_steps_ahead_of_the_device():
   assert (step, state, stopped) == (40, 40, False)
   # at step N's dispatch, steps N-2 .. N may be unfinished, never N-3
   assert most_unfinished[0] == runner.MAX_STEPS_IN_FLIGHT + 1 == 3
+
+
+def test_progress_shows_the_first_step_and_rows_keep_log_every():
+  """log_every=50: progress at the run's first step (a resumed run's too), then every 50
+  and the end; the metric rows only every 50 and at the end."""
+  for start, expected in ((0, [1, 50, 100, 110]), (60, [61, 100, 110])):
+    loop = _fake_loop(set(), [0])
+    progress, rows = [], []
+    loop.run.writer.progress = lambda step, loss: progress.append((step, float(loss)))
+    loop.run.writer.write_scalars = lambda step, row: rows.append(step)
+    loop.every = runner.Every(log=50)
+    loop.scalars = lambda metrics, step, seconds: {"loss": float(metrics["loss"])}
+    runner.run_steps(loop, state=start, step=start, until_step=110)
+    assert progress == [(s, 1.0) for s in expected]
+    assert rows == [s for s in (50, 100, 110) if s > start]

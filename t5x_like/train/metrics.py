@@ -1,5 +1,7 @@
-"""Metric writers: a JSONL file and TensorBoard event files in the workdir, and a
-console progress bar with the loss and ETA.
+"""Metric writers: a JSONL file and TensorBoard event files in the workdir, and console
+progress with the loss and ETA: a tqdm bar where stderr is a terminal, plain lines
+(`step 50/300: loss 0.6931, 0.41 s/step, ETA 01:42`) where the output goes to a file or
+a pipe, so a log holds readable lines, with no carriage returns and no bar around them.
 
 Files: <workdir>/metrics.jsonl (one JSON object per write: {"step": s, name: value,
 ...}) and <workdir>/tensorboard/ (tensorboardX event files). Only the main process
@@ -120,25 +122,30 @@ class _RemoteEventFile:
 
 
 class MetricWriter:
-  """Writes scalars to metrics.jsonl and TensorBoard, and drives a tqdm progress bar.
+  """Writes scalars to metrics.jsonl and TensorBoard, and shows progress on the console.
 
-  total_steps: the bar's total (for the ETA). is_main_process: False makes every
-  method a no-op (multi-host: only process 0 writes). console: False turns the bar
-  off (log() still prints). workdir: a local path or a URL (gs://...);
-  remote_flush_seconds: how often a URL workdir's files are uploaded at most.
+  total_steps: the progress total (for the ETA). is_main_process: False makes every
+  method a no-op (multi-host: only process 0 writes). console: False turns progress
+  off (log() still prints). bar: a tqdm bar on stderr (None: where stderr is a
+  terminal); progress lines go to stdout where it is not the terminal the bar is on.
+  workdir: a local path or a URL (gs://...); remote_flush_seconds: how often a URL
+  workdir's files are uploaded at most.
   """
 
   _files_opened = 0  # per process, for unique event file names
 
   def __init__(self, workdir: fs.PathLike, *, total_steps: int,
                is_main_process: bool = True, console: bool = True,
-               remote_flush_seconds: float = 5.0):
+               bar: Optional[bool] = None, remote_flush_seconds: float = 5.0):
     # Local: absolute. A URL stays a URL, and nothing below hands it to open / os.
     self.workdir = os.fspath(fs.resolve_path(workdir, "workdir"))
     self.remote = fs.is_url(self.workdir)
     self.total_steps = int(total_steps)
     self.is_main_process = is_main_process
     self.console = console and is_main_process
+    self.show_bar = self.console and (_is_terminal(sys.stderr) if bar is None else bar)
+    self.show_lines = self.console and not (self.show_bar and _is_terminal(sys.stdout))
+    self._last_progress: Optional[tuple[int, float]] = None  # (step, time) of the last line
     self.jsonl_path = _join(self.workdir, JSONL_NAME)
     self.tensorboard_dir = _join(self.workdir, TENSORBOARD_DIR)
     self.remote_flush_seconds = float(remote_flush_seconds)
@@ -256,23 +263,39 @@ class MetricWriter:
 
   # ----------------------------------------------------------------- console
   def progress(self, step: int, loss: Optional[float] = None) -> None:
-    """Moves the bar to `step` (steps done) and shows the loss; tqdm gives the ETA.
+    """Moves the bar to `step` (steps done) and shows the loss (tqdm gives the ETA),
+    and / or prints a progress line (the rate and ETA since the previous one).
 
-    The bar starts at the first step it is given, so a resumed run's rate and ETA
+    Both start at the first step they are given, so a resumed run's rate and ETA
     count only the steps it ran.
     """
     if not self.console:
       return
     step = int(step)
-    if self._bar is None:
-      self._bar = tqdm(total=self.total_steps, initial=step, desc="train", unit="step",
-                       dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
-    if loss is not None:
-      self._bar.set_postfix(loss=f"{_to_float('loss', loss):.4f}", refresh=False)
-    self._bar.update(step - self._bar.n)
+    if self.show_bar:
+      if self._bar is None:
+        self._bar = tqdm(total=self.total_steps, initial=step, desc="train", unit="step",
+                         dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+      if loss is not None:
+        self._bar.set_postfix(loss=f"{_to_float('loss', loss):.4f}", refresh=False)
+      self._bar.update(step - self._bar.n)
+    if self.show_lines:
+      print(self._progress_line(step, loss), flush=True)
+
+  def _progress_line(self, step: int, loss: Optional[float]) -> str:
+    """`step 50/300: loss 0.6931, 0.41 s/step, ETA 01:42` (no rate on the first line)."""
+    now = time.monotonic()
+    parts = [] if loss is None else [f"loss {_to_float('loss', loss):.4f}"]
+    if self._last_progress is not None and step > self._last_progress[0]:
+      seconds = (now - self._last_progress[1]) / (step - self._last_progress[0])
+      parts.append(f"{seconds:.3g} s/step")
+      if self.total_steps > step:
+        parts.append(f"ETA {tqdm.format_interval(seconds * (self.total_steps - step))}")
+    self._last_progress = (step, now)
+    return f"step {step}/{self.total_steps}" + (": " + ", ".join(parts) if parts else "")
 
   def log(self, msg: str) -> None:
-    """Prints a line above the progress bar (main process only)."""
+    """Prints a line (above the progress bar, if one is shown; main process only)."""
     if not self.is_main_process:
       return
     if self._bar is not None:
@@ -296,6 +319,14 @@ class MetricWriter:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def _is_terminal(stream) -> bool:
+  """Whether a stream is an interactive terminal (not a file, a pipe or a capture)."""
+  try:
+    return bool(stream.isatty())
+  except (AttributeError, ValueError):  # no isatty, or closed
+    return False
 
 
 def _join(directory: str, name: str) -> str:

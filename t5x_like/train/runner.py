@@ -10,8 +10,10 @@
 
 One loop for both: the train step on device-prefetched batches of the deterministic
 host-sharded loader, train rows every log_every steps (a non-finite loss stops the
-run), checkpoints (with the loader's state) every checkpoint_every steps, evaluation
-every eval_every steps, and on SIGTERM / SIGINT a checkpoint and a clean stop.
+run; the console's progress also shows the run's first step, so a slow start is seen
+at once), checkpoints (with the loader's state) every checkpoint_every steps,
+evaluation every eval_every steps, and on SIGTERM / SIGINT a checkpoint and a clean
+stop.
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ def run_steps(loop: StepLoop, state, step: int, until_step: int):
                       force=force)
 
   eval_metrics: dict = {}
+  first_step = step + 1  # shown on the console at once: log_every may be minutes away
   interval_start, interval_steps = time.perf_counter(), 0
   failpoints.kill_soon("first_compile", step + 1)  # the kill matrix (tests/kill_matrix.py)
   in_flight: collections.deque = collections.deque()  # losses of unfinished steps
@@ -138,6 +141,8 @@ def run_steps(loop: StepLoop, state, step: int, until_step: int):
       row.update(loop.scalars(metrics, step, seconds))
       writer.progress(step, loss)
       interval_start, interval_steps = time.perf_counter(), 0
+    elif step == first_step:  # progress only: the rows keep their log_every steps
+      writer.progress(step, float(jax.device_get(metrics["loss"])))
     if at_end or every.evaluates(step):
       eval_metrics = loop.evaluate(state, step)
       row.update(loop.eval_row(eval_metrics))
