@@ -3,6 +3,12 @@ document stride, the n-best span over an example's windows mapped back to whole 
 v1.1 never empty, v2.0's null-score threshold, and evaluate-v1.1.py / evaluate-v2.0.py's
 scores on hand-worked cases (Rajpurkar et al. 2016, 2018)."""
 
+import collections
+import json
+import os
+import re
+import string
+
 import numpy as np
 import pytest
 
@@ -211,3 +217,74 @@ def test_dev_metrics_and_rows_score_the_examples_not_the_windows():
       {"exact_match": 100.0, "f1": 100.0, "HasAns_exact_match": 100.0, "HasAns_f1": 100.0})
   assert task.prediction_rows(predictions, features, dataset) == [
       {"answer": "epsilon", "prediction": "epsilon zeta"}]
+
+
+# ------------------------------------------------------------------ end to end
+def _v20_files(directory) -> list[list[str]]:
+  """Hand-made SQuAD 2.0 train and dev files (the official JSON) in directory; the dev
+  questions' gold answers ([] when unanswerable)."""
+  context = "The mill stands by the river. Anna built it in 1890 with her brother Tom."
+  questions = [("Who built the mill?", ["Anna", "her brother Tom"]),
+               ("When was it built?", ["1890", "in 1890"]),
+               ("Where is the mill?", ["by the river"]),
+               ("What colour is the mill?", []),
+               ("Who owns the river?", [])]
+  golds = []
+  for split in ("train", "dev"):
+    qas = []
+    for k, (question, answers) in enumerate(questions):
+      qas.append({"id": f"{split}{k}", "question": question, "is_impossible": not answers,
+                  "answers": [{"text": a, "answer_start": context.index(a)} for a in answers]})
+    with open(os.path.join(directory, f"{split}-v2.0.json"), "w") as f:
+      json.dump({"version": "v2.0", "data": [{"title": "Mill", "paragraphs": [
+          {"context": context, "qas": qas}]}]}, f)
+    golds = [answers for _, answers in questions]
+  return golds
+
+
+@pytest.mark.slow
+def test_squad_v20_end_to_end_on_a_hand_made_file(tmp_path):
+  """The null-score threshold on a fine-tuned model (configs/squad.py:v2.0,smoke): at
+  -1e9 the null answer always wins, so every prediction is "" and the scores are the
+  hand-worked ones of an all-empty prediction; at +1e9 it never does (no ""), and the
+  scores equal evaluate-v2.0.py's definition recomputed here."""
+  from helpers import load_config
+  from t5x_like.benchmarks.task_data import task_data
+  from t5x_like.finetune.loop import finetune
+  golds = _v20_files(str(tmp_path))
+  predicted = {}
+  for threshold in (-1e9, 1e9):
+    config = load_config("squad", "v2.0,smoke")
+    config.benchmark.data_dir = str(tmp_path)
+    config.task.null_score_threshold = threshold
+    workdir = str(tmp_path / f"run{threshold:g}")
+    result = finetune(config, workdir, data=task_data(config))
+    with open(os.path.join(workdir, "submission", "predictions.json")) as f:
+      predicted[threshold] = (json.load(f), result["official"])
+  answers, official = predicted[-1e9]
+  assert sorted(answers) == [f"dev{k}" for k in range(5)] and set(answers.values()) == {""}
+  # 3 answerable questions, all wrong (EM 0, F1 0); 2 unanswerable, both right.
+  assert official == pytest.approx({"exact_match": 40.0, "f1": 40.0, "HasAns_exact_match": 0.0,
+                                    "HasAns_f1": 0.0, "NoAns_exact_match": 100.0,
+                                    "NoAns_f1": 100.0}, abs=1e-3)
+  answers, official = predicted[1e9]
+  texts = [answers[f"dev{k}"] for k in range(5)]
+  assert all(texts)
+
+  def normalize(s):  # evaluate-v2.0.py's normalize_answer
+    s = "".join(ch for ch in s.lower() if ch not in set(string.punctuation))
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", s).split())
+
+  def f1(gold, pred):  # evaluate-v2.0.py's compute_f1
+    g, p = normalize(gold).split(), normalize(pred).split()
+    if not g or not p:
+      return float(g == p)
+    same = sum((collections.Counter(g) & collections.Counter(p)).values())
+    return 0.0 if same == 0 else 2 * same / (len(g) + len(p))
+
+  gold_lists = [[a for a in g if normalize(a)] or [""] for g in golds]
+  em = [max(float(normalize(a) == normalize(t)) for a in g) for g, t in zip(gold_lists, texts)]
+  f = [max(f1(a, t) for a in g) for g, t in zip(gold_lists, texts)]
+  assert official["exact_match"] == pytest.approx(100 * np.mean(em), abs=1e-3)
+  assert official["f1"] == pytest.approx(100 * np.mean(f), abs=1e-3)
+  assert official["NoAns_exact_match"] == 0.0  # never the empty answer
