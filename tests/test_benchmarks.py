@@ -11,8 +11,10 @@ a T5 one and the CLI's bad-input cases; the long tier every config and the suite
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -71,6 +73,10 @@ def _check_outputs(name: str, result, workdir, labeled_tests: bool = False):
   assert expected <= shown <= expected | breakdown
   assert result["score"] == pytest.approx(np.mean([official[k] for k in expected]), abs=1e-2)
   assert all(np.isfinite(v) for v in official.values())
+  # One unit and one value per name: a dev metric the run reports beside the official
+  # ones (percent) is the same figure.
+  for key in set(official) & set(result):
+    assert result[key] == pytest.approx(official[key], abs=1e-3), key
   for split, file in bench.submission:
     path = os.path.join(workdir, "submission", file)
     with open(path) as f:
@@ -303,3 +309,28 @@ def test_bad_benchmark_input_is_one_line_exit_2_and_writes_nothing(data_dir, tmp
     assert len(lines) <= 2 and expected in lines[-1], (argv, out.stderr)
     assert "Traceback" not in out.stderr
     assert not workdir.exists(), argv
+
+
+# ------------------------------------------------------------------ the docs
+def test_the_docs_name_every_argument_and_task_as_the_configs_spell_them():
+  """docs/benchmark-tasks.md lists every argument of the configs (cpu, max_steps, ...) and
+  each config's tasks; every `configs/glue.py:X` a page or a config's docstring names
+  starts with a task or an argument of that config (not squad.py:v1 for v1.1)."""
+  from t5x_like.benchmarks.configs import ARGUMENTS
+  with open(os.path.join(ROOT, "docs", "benchmark-tasks.md"), encoding="utf-8") as f:
+    page = f.read()
+  for name in ARGUMENTS:
+    assert re.search(f"^\\| `{name}[`=]", page, re.M), name
+  files = {"glue": "glue", "superglue": "super_glue", "squad": "squad"}
+  for file, suite in files.items():
+    row, = [line for line in page.splitlines() if line.startswith(f"| `configs/{file}.py:")]
+    assert f"| {', '.join(SUITES[suite])} |" in row, row
+  texts = [os.path.join(ROOT, p) for p in ("README.md", "configs/README.md")]
+  texts += glob.glob(os.path.join(ROOT, "docs", "*.md"))
+  texts += [os.path.join(ROOT, "configs", f"{file}.py") for file in files]
+  texts.append(os.path.join(ROOT, "t5x_like", "benchmarks", "configs.py"))
+  for path in texts:
+    with open(path, encoding="utf-8") as f:
+      for file, first in re.findall(r"configs/(glue|superglue|squad)\.py:([\w.]+)", f.read()):
+        known = first in SUITES[files[file]] or first in ARGUMENTS or first.isupper()
+        assert known or first == "colaa", (path, f"configs/{file}.py:{first}")  # an error's

@@ -41,14 +41,16 @@ from t5x_like.train.defaults import parse_arg
 _BACKBONES = {"bert": ("bert_pretrain.py:base", "bert_cpu.py:smoke"),
               "t5": ("t5_pretrain.py:base", "t5_cpu.py:smoke")}
 _CPU_BACKBONES = {"bert": "bert_cpu.py:glue", "t5": "t5_cpu.py:glue"}
+# The arguments after the task, with their defaults (docs/benchmark-tasks.md lists each).
+ARGUMENTS = dict(family="bert", smoke=False, cpu=False, epochs=0.0, data_dir="",
+                 max_steps=1500)
 
 
 def benchmark_config(suite: str, arg: str, configs_dir: str) -> ml_collections.ConfigDict:
   """The config of one task of `suite` (see the module docstring); configs_dir: where the
   pretraining configs are (the calling config file's directory)."""
   where = f"configs/{ {'super_glue': 'superglue'}.get(suite, suite)}.py"
-  a = parse_arg(arg, task=SUITES[suite][0], family="bert", smoke=False, cpu=False,
-                epochs=0.0, data_dir="", max_steps=1500)
+  a = parse_arg(arg, task=SUITES[suite][0], **ARGUMENTS)
   a.task = {"v1": "v1.1", "v2": "v2.0"}.get(a.task, a.task) if suite == "squad" else a.task
   if a.task not in SUITES[suite]:
     raise ValueError(f"{where}: unknown task {a.task!r}; known: {', '.join(SUITES[suite])}")
