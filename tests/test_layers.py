@@ -500,7 +500,9 @@ def test_attention_dropout_is_applied():
 @pytest.mark.parametrize("x_shape, k_shape, contract", [
     ((3, 5, 16), (16, 24), 1),        # dense
     ((3, 5, 16), (16, 2, 8), 1),      # into heads
-    ((3, 5, 2, 8), (2, 8, 16), 2)])   # out of heads
+    ((3, 5, 2, 8), (2, 8, 16), 2),    # out of heads
+    ((3, 5, 24), (24, 16), 1),        # wider in than out: dkernel as (g . x) transposed
+    ((3, 5, 2, 8), (2, 8, 4), 2)])
 def test_bf16_dot_gradients_are_bf16_products_with_f32_accumulation(x_shape, k_shape,
                                                                      contract):
   rng = np.random.RandomState(0)
@@ -529,14 +531,15 @@ def test_bf16_dot_gradients_are_bf16_products_with_f32_accumulation(x_shape, k_s
 
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-def test_dot_with_bias_matches_plain_autodiff(dtype, tol):
+@pytest.mark.parametrize("out", [16, 4])  # 4: wider in (2 x 8) than out, dkernel swapped
+def test_dot_with_bias_matches_plain_autodiff(dtype, tol, out):
   """dot(..., bias): values and the gradients of x, kernel and bias (the bias one is a
   product with ones) == JAX autodiff of a plain float32 tensordot + bias."""
   rng = np.random.RandomState(1)
   x = jnp.asarray(rng.randn(3, 5, 2, 8), jnp.float32)
-  kernel = jnp.asarray(rng.randn(2, 8, 16), jnp.float32)
-  bias = jnp.asarray(rng.randn(16), jnp.float32)
-  weights = jnp.asarray(rng.randn(3, 5, 16), jnp.float32)
+  kernel = jnp.asarray(rng.randn(2, 8, out), jnp.float32)
+  bias = jnp.asarray(rng.randn(out), jnp.float32)
+  weights = jnp.asarray(rng.randn(3, 5, out), jnp.float32)
 
   def ours(x, kernel, bias):
     return jnp.sum(dot(x, kernel, 2, dtype, bias).astype(jnp.float32) * weights)
