@@ -168,24 +168,31 @@ def test_the_table_bars(tmp_path):
   for seed, (o, t, r) in enumerate([(80, 78, 50), (82, 79, 51), (81, 80, 52)]):
     for name, acc in (("ours", o), ("transformers", t), ("random", r)):
       row = dict(task="rte", arm=name, seed=seed, official={"accuracy": acc}, steps=10,
-                 warmup=1, seconds_per_step=0.5 if name != "transformers" else 1.0,
-                 cpu="AMD EPYC", cores=2)
+                 warmup=1, batch_size=16, max_length=128, lr=1e-4, steps_timed=4,
+                 seconds_per_step=0.5 if name != "transformers" else 1.0,
+                 cpu="AMD EPYC", cores=2, load_average=0.1 * seed, load_average_end=1.5)
       if name == "transformers":
         row["first_loss"] = {"ours": 0.7, "transformers": 0.7001}
+        row["torch_threads"] = 2
       rows.append(row)
   text = study.markdown(rows)
   # ours 81.0, transformers 79.0: +2.0 within the seeds' range 2.0 (ours 80-82)
   assert "| rte | accuracy | 81.0 (80.0-82.0) | 79.0 (78.0-80.0) | 51.0 (50.0-52.0) |" \
          " +2.0 | 2.0 | yes |" in text
-  assert "| rte | 10 (1) | 0.500 | 1.000 | 0.50 | 0.500 |" in text
+  assert "Steps (warmup), batch, tokens, peak rate: rte 10 (1), 16, 128, 0.0001." in text
+  assert "| rte | 4 | 0.500 | 1.000 | 0.50 | 0.500 |" in text
+  assert "torch threads 2. Load average at the runs' starts and ends: 0.00-1.50." in text
   assert "| rte | 0 | 0.700000 | 0.700100 | 1.0e-04 |" in text
+  assert "s/step" not in study.markdown(rows, ["metrics"])
+  assert "accuracy" not in study.markdown(rows, ["speed"])
   for k in (0, 3, 6):
     rows[k]["official"]["accuracy"] = 90  # ours 90 x 3, transformers 79 (78-80): -> no
   assert "| +11.0 | 2.0 | **no** |" in study.markdown(rows)
   page = tmp_path / "page.md"
-  page.write_text(f"# t\n\nprose\n{study.BEGIN}\nold\n{study.END}\nafter\n")
-  study.write_between_markers(str(page), "new\n")
-  assert page.read_text() == f"# t\n\nprose\n{study.BEGIN}\nnew\n{study.END}\nafter\n"
+  (mb, me), (sb, se) = study.markers("metrics"), study.markers("speed")
+  page.write_text(f"# t\n\nprose\n{mb}\nold\n{me}\nbetween\n{sb}\nold\n{se}\nafter\n")
+  study.write_between_markers(str(page), "new\n", "speed")
+  assert page.read_text() == f"# t\n\nprose\n{mb}\nold\n{me}\nbetween\n{sb}\nnew\n{se}\nafter\n"
 
 
 @pytest.mark.slow

@@ -17,10 +17,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from t5x_like.hf import bert, t5
+from t5x_like.hf import bert
 from t5x_like.hf.backbone import (BY_MODEL_TYPE as _BY_MODEL_TYPE, BackboneImport,
-                                  family_module, load_backbone, model_config, skipped_groups)
-from t5x_like.hf.io import CheckpointError, Weights, read_config, write_checkpoint
+                                  load_backbone, model_config, open_checkpoint, skipped_groups)
+from t5x_like.hf.io import CheckpointError, read_config, write_checkpoint
 from t5x_like.hf.mapping import export_params, import_params
 from t5x_like.models.model import Model, build_model
 
@@ -34,13 +34,7 @@ def load(path: str, **config_overrides) -> tuple[Model, Any]:
   config_overrides replace fields of the derived ModelConfig that do not change the
   weights (dtype, scan_layers, remat_policy, dropout_rate, ...).
   """
-  hf_config = read_config(path)
-  family = family_module(hf_config, path)
-  weights = Weights(path)
-  if family is t5:
-    config = family.config_from_hf(hf_config, path, weights)
-  else:
-    config = family.config_from_hf(hf_config, path)
+  _, family, weights, config = open_checkpoint(path)
   if family is bert:  # the heads the file has (BertModel: none)
     names = weights.names()
     config = config.replace(

@@ -69,15 +69,31 @@ def model_config(path: str, **config_overrides) -> tuple[str, ModelConfig]:
   only where the config depends on it: T5's untied lm_head)."""
   hf_config = read_config(path)
   family = family_module(hf_config, path)
+  weights = None
   if family is t5:
     try:
       weights = Weights(path)
     except CheckpointError:
-      weights = None
-    config = t5.config_from_hf(hf_config, path, weights)
-  else:
-    config = family.config_from_hf(hf_config, path)
+      pass
+  config = _config_from_hf(family, hf_config, path, weights)
   return architecture_name(hf_config), _replace(config, config_overrides)
+
+
+def open_checkpoint(path: str) -> tuple[dict, Any, Weights, ModelConfig]:
+  """(config.json, its hf family module, its Weights, our ModelConfig with the
+  pretraining heads) of the checkpoint directory `path`; CheckpointError else."""
+  hf_config = read_config(path)
+  family = family_module(hf_config, path)
+  weights = Weights(path)
+  return hf_config, family, weights, _config_from_hf(family, hf_config, path, weights)
+
+
+def _config_from_hf(family, hf_config: dict, path: str, weights: Optional[Weights]
+                    ) -> ModelConfig:
+  """Our ModelConfig of config.json (T5's reads the weights: is lm_head untied?)."""
+  if family is t5:
+    return t5.config_from_hf(hf_config, path, weights)
+  return family.config_from_hf(hf_config, path)
 
 
 def _replace(config: ModelConfig, overrides: dict) -> ModelConfig:
@@ -94,13 +110,7 @@ def load_backbone(path: str, *, pooler: bool = True, decoder: bool = True,
   config_overrides: ModelConfig fields that do not change the weights (dropout_rate, ...).
   CheckpointError for a directory, config or tensor that does not fit.
   """
-  hf_config = read_config(path)
-  family = family_module(hf_config, path)
-  weights = Weights(path)
-  if family is t5:
-    config = t5.config_from_hf(hf_config, path, weights)
-  else:
-    config = family.config_from_hf(hf_config, path)
+  hf_config, family, weights, config = open_checkpoint(path)
   config = _replace(config, config_overrides)
   wanted, optional = family.backbone_parts(pooler=pooler, decoder=decoder)
   # BERT's pooler is a param of the model with its NSP head, whatever the overrides say

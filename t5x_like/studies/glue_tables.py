@@ -50,7 +50,8 @@ def five_task_average(official: dict[str, dict[str, float]]) -> float:
   return float(np.mean([np.mean([official[t][m] for m in ms]) for t, ms in FIVE.items()]))
 
 
-def _cell(values: list[float]) -> str:
+def mean_range(values: list[float]) -> str:
+  """'mean (min-max)' of values to one decimal ('' for none, the value alone for one)."""
   if not values:
     return ""
   if len(values) == 1:
@@ -88,7 +89,7 @@ def glue_markdown(rows: list[dict], tasks: list[str]) -> str:
     out.append("|---" * (2 + len(arms) + margin) + "|")
     for task in tasks:
       for metric in METRICS.get(task, ()):
-        cells = [_cell(by[family, a, task, metric]) for a in arms]
+        cells = [mean_range(by[family, a, task, metric]) for a in arms]
         if margin:
           p, q = by[family, "pretrained", task, metric], by[family, "random", task, metric]
           cells.append(f"{np.mean(p) - np.mean(q):+.1f}" if p and q else "")
@@ -97,7 +98,7 @@ def glue_markdown(rows: list[dict], tasks: list[str]) -> str:
                     if f == family and arm == a
                     for v in [five_task_average(official)] if not np.isnan(v)]
                 for a in arms}
-    cells = [_cell(averages[a]) for a in arms]
+    cells = [mean_range(averages[a]) for a in arms]
     if margin:
       p, q = averages["pretrained"], averages["random"]
       cells.append(f"**{np.mean(p) - np.mean(q):+.1f}**" if p and q else "")

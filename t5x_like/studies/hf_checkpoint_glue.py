@@ -21,7 +21,11 @@ Each run writes WORKDIR/runs/TASK/ARM/sSEED/ and one row of WORKDIR/results.json
 official dev metrics, seconds per step: the median over steps after the first five,
 without the steps that compile a new batch length; for transformers the first-step loss
 of both sides, dropout off, the same classifier). A rerun skips the rows it has.
-WORKDIR/tables.md (and --out's section between its markers) holds the table.
+WORKDIR/tables.md (and --out's sections between their markers) holds the tables:
+metrics (official dev metrics per arm, the first-step losses) and speed (seconds per
+step, ours / transformers, the load average). --tables picks them: a speed table from
+a quiet machine's short runs (--num_steps) beside metrics from longer runs that shared
+the machine.
 """
 
 from __future__ import annotations
@@ -39,13 +43,19 @@ from absl import flags
 from t5x_like import fs
 from t5x_like.command_flags import FlagError, parse_flags_and_args
 from t5x_like.studies.child_runs import configs_dir, configs_flag, exit_with, log, run_t5x_like
+from t5x_like.studies.glue_tables import mean_range
 
 PROG = "python -m t5x_like.studies.hf_checkpoint_glue"
 TASKS = ("stsb", "mrpc", "rte", "cola")
 ARMS = ("ours", "transformers", "random")
 SKIP_FIRST = 5  # steps left out of seconds per step besides each new length's compile
-BEGIN = "<!-- hf_checkpoint_glue table: begin -->"
-END = "<!-- hf_checkpoint_glue table: end -->"
+TABLES = ("metrics", "speed")
+
+
+def markers(table: str) -> tuple[str, str]:
+  """The page markers around `table` (one of TABLES)."""
+  return (f"<!-- hf_checkpoint_glue {table}: begin -->",
+          f"<!-- hf_checkpoint_glue {table}: end -->")
 
 
 # --------------------------------------------------------------------------- recipe
@@ -168,26 +178,17 @@ def run_grid(a, seeds: list[int], configs: str, workdir: str) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- table
-def _summary(values: list[float]) -> str:
-  if not values:
-    return "-"
-  if len(values) == 1:
-    return f"{values[0]:.1f}"
-  return f"{np.mean(values):.1f} ({min(values):.1f}-{max(values):.1f})"
-
-
-def markdown(rows: list[dict]) -> str:
+def metrics_table(rows: list[dict]) -> str:
   """The metric table (mean (range) over seeds per arm; ours - transformers against the
-  larger of 1.5 and the seeds' range), seconds per step, and the first-step losses."""
-  tasks = [t for t in TASKS if any(r["task"] == t for r in rows)]
-  by = lambda task, arm: [r for r in rows if r["task"] == task and r["arm"] == arm]
+  larger of 1.5 and the seeds' range) and the first-step losses."""
+  tasks = _tasks(rows)
   out = ["| task | metric | ours | transformers | random | ours - transformers | bar |"
          " within |", "|---|---|---|---|---|---|---|---|"]
   for task in tasks:
     metrics = next(iter(r["official"] for r in rows if r["task"] == task))
     for metric in metrics:
-      vals = {arm: [r["official"][metric] for r in by(task, arm)] for arm in ARMS}
-      cells = [_summary(vals[arm]) for arm in ARMS]
+      vals = {arm: [r["official"][metric] for r in _by(rows, task, arm)] for arm in ARMS}
+      cells = [mean_range(vals[arm]) or "-" for arm in ARMS]
       if vals["ours"] and vals["transformers"]:
         diff = np.mean(vals["ours"]) - np.mean(vals["transformers"])
         bar = max([1.5] + [max(v) - min(v) for v in (vals["ours"], vals["transformers"])])
@@ -196,34 +197,66 @@ def markdown(rows: list[dict]) -> str:
         tail = ["-", "-", "-"]
       out.append(f"| {task} | {metric} | " + " | ".join(cells + tail) + " |")
   seeds = sorted({r["seed"] for r in rows})
-  out += ["", f"Seeds: {', '.join(map(str, seeds))}.", "",
-          "| task | steps (warmup) | ours s/step | transformers s/step | ours / transformers |"
-          " random s/step |", "|---|---|---|---|---|---|"]
-  for task in tasks:
-    sps = {arm: [r["seconds_per_step"] for r in by(task, arm)] for arm in ARMS}
-    med = {arm: float(np.median(v)) if v else float("nan") for arm, v in sps.items()}
-    first = rows[[r["task"] for r in rows].index(task)]
-    out.append(f"| {task} | {first['steps']} ({first['warmup']}) | {med['ours']:.3f} |"
-               f" {med['transformers']:.3f} | {med['ours'] / med['transformers']:.2f} |"
-               f" {med['random']:.3f} |")
-  out += ["", "| task | seed | first-step loss, ours | transformers | difference |",
+  recipe = sorted({(r["task"], r["steps"], r["warmup"], r["batch_size"], r["max_length"],
+                    r["lr"]) for r in rows}, key=lambda t: TASKS.index(t[0]))
+  out += ["", f"Seeds: {', '.join(map(str, seeds))}. Steps (warmup), batch, tokens, peak"
+          " rate: " + "; ".join(f"{t} {n} ({w}), {b}, {L}, {lr:g}"
+                                for t, n, w, b, L, lr in recipe) + ".", "",
+          "| task | seed | first-step loss, ours | transformers | difference |",
           "|---|---|---|---|---|"]
   for r in rows:
     if r["arm"] == "transformers":
       ours, theirs = r["first_loss"]["ours"], r["first_loss"]["transformers"]
       out.append(f"| {r['task']} | {r['seed']} | {ours:.6f} | {theirs:.6f} |"
                  f" {abs(ours - theirs):.1e} |")
+  return "\n".join(out + ["", _machine_line(rows)]) + "\n"
+
+
+def speed_table(rows: list[dict]) -> str:
+  """Median seconds per training step per task and arm (medians over seeds), the ratio,
+  and the machine's 1-minute load average at the runs' starts and ends."""
+  out = ["| task | steps timed | ours s/step | transformers s/step | ours / transformers |"
+         " random s/step |", "|---|---|---|---|---|---|"]
+  for task in _tasks(rows):
+    sps = {arm: [r["seconds_per_step"] for r in _by(rows, task, arm)] for arm in ARMS}
+    med = {arm: float(np.median(v)) if v else float("nan") for arm, v in sps.items()}
+    timed = min(r["steps_timed"] for r in rows if r["task"] == task)
+    out.append(f"| {task} | {timed} | {med['ours']:.3f} | {med['transformers']:.3f} |"
+               f" {med['ours'] / med['transformers']:.2f} | {med['random']:.3f} |")
+  loads = [r[k] for r in rows for k in ("load_average", "load_average_end") if k in r]
+  load = f"{min(loads):.2f}-{max(loads):.2f}" if loads else "-"
+  return "\n".join(out + ["", f"{_machine_line(rows)} Load average at the runs' starts"
+                                f" and ends: {load}."]) + "\n"
+
+
+def markdown(rows: list[dict], tables=TABLES) -> str:
+  """The named tables, one after the other."""
+  makers = {"metrics": metrics_table, "speed": speed_table}
+  return "\n".join(makers[t](rows) for t in tables)
+
+
+def _tasks(rows: list[dict]) -> list[str]:
+  return [t for t in TASKS if any(r["task"] == t for r in rows)]
+
+
+def _by(rows: list[dict], task: str, arm: str) -> list[dict]:
+  return [r for r in rows if r["task"] == task and r["arm"] == arm]
+
+
+def _machine_line(rows: list[dict]) -> str:
   cpus = sorted({f"{r['cpu']} ({r['cores']} cores)" for r in rows})
-  out += ["", f"CPU: {'; '.join(cpus)}; float32 on both sides."]
-  return "\n".join(out) + "\n"
+  threads = sorted({r["torch_threads"] for r in rows if "torch_threads" in r})
+  return (f"CPU: {'; '.join(cpus)}; float32 on both sides"
+          f"{'; torch threads ' + ', '.join(map(str, threads)) if threads else ''}.")
 
 
-def write_between_markers(path: str, text: str) -> None:
-  """text between BEGIN and END in the page at path (the markers appended if absent)."""
+def write_between_markers(path: str, text: str, table: str) -> None:
+  """text between `table`'s markers in the page at path (appended there if absent)."""
+  begin, end = markers(table)
   old = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
-  head, sep, rest = old.partition(BEGIN)
-  tail = rest.partition(END)[2] if sep else "\n"
-  fs.write_bytes(path, f"{head}{BEGIN}\n{text}{END}{tail}".encode())
+  head, sep, rest = old.partition(begin)
+  tail = rest.partition(end)[2] if sep else "\n"
+  fs.write_bytes(path, f"{head}{begin}\n{text}{end}{tail}".encode())
 
 
 # --------------------------------------------------------------------------- main
@@ -244,7 +277,9 @@ def _flags(argv: list[str]) -> flags.FlagValues:
                        flag_values=fv)
   flags.DEFINE_integer("batch_size", 32, "batch size", flag_values=fv)
   flags.DEFINE_integer("max_length", 128, "tokens per pair", flag_values=fv)
-  flags.DEFINE_string("out", "", "also write the table into this page, between its"
+  flags.DEFINE_list("tables", list(TABLES), "the tables printed and written: metrics"
+                    " (and first-step losses), speed (seconds per step)", flag_values=fv)
+  flags.DEFINE_string("out", "", "also write the tables into this page, each between its"
                       " markers (docs/glue.md)", flag_values=fv)
   configs_flag(fv)
   return fv
@@ -254,9 +289,10 @@ def main(argv: Optional[list[str]] = None) -> int:
   a, _ = parse_flags_and_args("HF checkpoint study", sys.argv[1:] if argv is None else argv,
                               _flags, required=("checkpoint", "glue", "workdir"), doc=__doc__,
                               positionals="", prog=PROG)
-  unknown = set(a.tasks) - set(TASKS) or set(a.arms) - set(ARMS)
+  unknown = (set(a.tasks) - set(TASKS) or set(a.arms) - set(ARMS)
+             or set(a.tables) - set(TABLES))
   if unknown:
-    raise FlagError(f"--tasks or --arms: unknown {sorted(unknown)}")
+    raise FlagError(f"--tasks, --arms or --tables: unknown {sorted(unknown)}")
   try:
     seeds = [int(s) for s in a.seeds]
   except ValueError as e:
@@ -266,11 +302,12 @@ def main(argv: Optional[list[str]] = None) -> int:
   workdir = os.path.abspath(a.workdir)
   os.makedirs(workdir, exist_ok=True)
   rows = run_grid(a, seeds, configs_dir(a.configs), workdir)
-  text = markdown(rows)
+  text = markdown(rows, a.tables)
   with open(os.path.join(workdir, "tables.md"), "w") as f:
     f.write(text)
   if a.out:
-    write_between_markers(a.out, text)
+    for table in a.tables:
+      write_between_markers(a.out, markdown(rows, [table]), table)
   print(text)
   return 0
 
