@@ -184,6 +184,8 @@ def test_the_table_bars(tmp_path):
   assert "torch threads 2. Load average at the runs' starts and ends: 0.00-1.50." in text
   assert "| rte | 0 | 0.700000 | 0.700100 | 1.0e-04 |" in text
   assert "s/step" not in study.markdown(rows, ["metrics"])
+  no_random = [r for r in rows if r["arm"] != "random"]
+  assert "| rte | 4 | 0.500 | 1.000 | 0.50 | - |" in study.markdown(no_random, ["speed"])
   assert "accuracy" not in study.markdown(rows, ["speed"])
   for k in (0, 3, 6):
     rows[k]["official"]["accuracy"] = 90  # ours 90 x 3, transformers 79 (78-80): -> no
