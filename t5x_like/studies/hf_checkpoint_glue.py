@@ -221,13 +221,16 @@ def speed_table(rows: list[dict]) -> str:
     sps = {arm: [r["seconds_per_step"] for r in _by(rows, task, arm)] for arm in ARMS}
     med = {arm: float(np.median(v)) if v else float("nan") for arm, v in sps.items()}
     timed = min(r["steps_timed"] for r in rows if r["task"] == task)
-    show = lambda x, digits=3: "-" if np.isnan(x) else f"{x:.{digits}f}"
-    out.append(f"| {task} | {timed} | {show(med['ours'])} | {show(med['transformers'])} |"
-               f" {show(med['ours'] / med['transformers'], 2)} | {show(med['random'])} |")
+    out.append(f"| {task} | {timed} | {_show(med['ours'])} | {_show(med['transformers'])} |"
+               f" {_show(med['ours'] / med['transformers'], 2)} | {_show(med['random'])} |")
   loads = [r[k] for r in rows for k in ("load_average", "load_average_end") if k in r]
   load = f"{min(loads):.2f}-{max(loads):.2f}" if loads else "-"
   return "\n".join(out + ["", f"{_machine_line(rows)} Load average at the runs' starts"
                                 f" and ends: {load}."]) + "\n"
+
+
+def _show(x: float, digits: int = 3) -> str:
+  return "-" if np.isnan(x) else f"{x:.{digits}f}"
 
 
 def markdown(rows: list[dict], tables=TABLES) -> str:
