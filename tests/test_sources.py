@@ -5,12 +5,13 @@ import json
 import logging
 import os
 import pickle
+import re
 
 import pytest
 import tensorflow_datasets as tfds
 
 from t5x_like import cli
-from t5x_like.corpus import book_names, read_book
+from t5x_like.corpus import book_names, read_book, unwrap
 from t5x_like.data.sources import (DataSourceError, EmbeddedCorpus, JsonlFiles,
                                    SourceNotFoundError, TextFiles, TfdsSource,
                                    source_from_spec)
@@ -24,19 +25,39 @@ NO_PROBLEMS = dict(empty_documents=0, invalid_utf8=0, malformed_json=0, missing_
 def test_embedded_corpus_is_one_document_per_book():
   source = EmbeddedCorpus()
   assert len(source) == 8
-  assert source[0] == read_book(book_names()[0])
-  assert source[-1] == read_book(book_names()[-1])
+  assert source[0] == unwrap(read_book(book_names()[0]))
+  assert source[-1] == unwrap(read_book(book_names()[-1]))
   assert "\n\n" in source[3]  # paragraphs kept
   assert len(list(source)) == 8
   assert source.stats.as_dict() == NO_PROBLEMS
   with pytest.raises(IndexError):
     source[8]
   two = source_from_spec("embedded:wells_the_time_machine,shelley_frankenstein")
-  assert [two[0], two[1]] == [read_book("wells_the_time_machine"),
-                              read_book("shelley_frankenstein")]
+  assert [two[0], two[1]] == [unwrap(read_book("wells_the_time_machine")),
+                              unwrap(read_book("shelley_frankenstein"))]
   assert two.identity() != source.identity()
   with pytest.raises(FileNotFoundError, match="no_such_book"):
     EmbeddedCorpus(["no_such_book"])
+
+
+def test_embedded_books_come_unwrapped_with_every_word_and_paragraph():
+  """The book files are hard-wrapped; the source joins a paragraph's lines, so the
+  only line breaks left are the blank lines between paragraphs, and every word stays
+  in its place. The files themselves are unchanged (read_book)."""
+  for name in book_names():
+    raw, doc = read_book(name), EmbeddedCorpus([name])[0]
+    paragraphs = [p for p in raw.split("\n\n") if p.strip()]
+    assert sum("\n" in p.strip() for p in paragraphs) > len(paragraphs) // 4  # wrapped
+    assert doc.split() == raw.split()
+    assert doc.endswith("\n") and not doc.endswith("\n\n")
+    lines = doc[:-1].split("\n\n")
+    assert all(line and "\n" not in line and line == " ".join(line.split())
+               for line in lines)
+    assert len(lines) == len(re.split(r"\n[ \t]*\n", raw.strip()))
+    assert unwrap(doc) == doc
+  assert unwrap("A wrapped\nline,  and\t more.\n \nNext\r\nparagraph.\n\n\n") == (
+      "A wrapped line, and more.\n\nNext paragraph.\n")
+  assert EmbeddedCorpus().identity().startswith("embedded-unwrapped:")  # a new cache key
 
 
 def test_text_files_count_empty_and_invalid_utf8(tmp_path, caplog):

@@ -12,7 +12,8 @@ documents only up to its first usable one.
 
 Specs (`source_from_spec`), for the CLI and configs; paths and globs are local,
 relative to the current directory or absolute (~ expanded):
-  embedded                           the 8 books of t5x_like.corpus
+  embedded                           the 8 books of t5x_like.corpus, unwrapped (one
+                                     line per paragraph: corpus.unwrap)
   embedded:NAME[,NAME...]            some of them (file stems)
   text:GLOB                          one document per file
   jsonl:GLOB[:FIELD]                 one document per line, FIELD defaults to "text"
@@ -45,7 +46,11 @@ SPEC_FORMS = ("embedded", "embedded:NAME[,NAME...]", "text:GLOB", "jsonl:GLOB[:F
 
 
 class EmbeddedCorpus(DocumentSource):
-  """The embedded public-domain books (t5x_like.corpus), one document per book."""
+  """The embedded public-domain books (t5x_like.corpus), one document per book.
+
+  Each book comes unwrapped (corpus.unwrap): its hard line breaks inside a paragraph
+  are layout, not text, and would otherwise be one token in thirteen.
+  """
 
   def __init__(self, books: list[str] | None = None):
     from t5x_like import corpus
@@ -69,17 +74,18 @@ class EmbeddedCorpus(DocumentSource):
 
   def _read(self, index):
     from t5x_like import corpus
-    return corpus.read_book(self.books[index])
+    return corpus.unwrap(corpus.read_book(self.books[index]))
 
   def _where(self, index):
     return self.books[index]
 
   def identity(self):
-    from t5x_like import corpus
+    """A hash of the text delivered (unwrapped), so a cache of the wrapped text is
+    never reused."""
     h = hashlib.sha256()
-    for b in self.books:
-      h.update(b.encode() + b"\0" + corpus.read_book(b).encode())
-    return f"embedded:{h.hexdigest()}"
+    for i, b in enumerate(self.books):
+      h.update(b.encode() + b"\0" + self._read(i).encode())
+    return f"embedded-unwrapped:{h.hexdigest()}"
 
 
 class TfdsSource(DocumentSource):

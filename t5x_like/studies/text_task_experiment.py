@@ -75,7 +75,7 @@ def write_corpus(name: str, specs: list[str], task_spec: str, workdir: str) -> s
   """WORKDIR/corpus/NAME/*.txt: the documents of every spec, unwrapped, each file named
   after its document (its file or book name); returns the glob."""
   from t5x_like.data.sources import source_from_spec
-  from t5x_like.task_builders.books import unwrap
+  from t5x_like.corpus import unwrap
   folder = os.path.join(workdir, "corpus", name)
   pattern = os.path.join(folder, "*.txt")
   if os.path.exists(os.path.join(folder, "DONE")):

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import csv
 import os
-import re
 from typing import Optional, Sequence
 
 from t5x_like import corpus
+from t5x_like.corpus import unwrap
 
 
 def author(book: str) -> str:
@@ -55,17 +55,6 @@ def split_book(text: str, num_blocks: int, block_words: int) -> tuple[str, list[
     position += counts[i]
   pretrain = "".join(line for line, h in zip(lines, held) if not h)
   return pretrain, blocks
-
-
-def unwrap(text: str) -> str:
-  """Hard-wrapped lines joined: one line per paragraph, paragraphs split by a blank line.
-
-  The books are wrapped at ~70 characters; their line breaks are layout, and the
-  shipped vocabularies keep "\n" as a token, so wrapped pretraining text would teach
-  line breaks that task passages (words joined by spaces) never contain.
-  """
-  paragraphs = re.split(r"\n[ \t]*\n", text)
-  return "\n\n".join(" ".join(p.split()) for p in paragraphs if p.strip()) + "\n"
 
 
 def passages(words: Sequence[str], passage_words: int) -> list[str]:

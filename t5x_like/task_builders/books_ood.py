@@ -5,7 +5,7 @@ so the pretrained model has met each book's names, places and topics. These task
 whole books out of pretraining instead:
 
   make_unseen_task("workdir/books_unseen")  ->  workdir/books_unseen/
-      pretrain/<book>.txt   the PRETRAIN_BOOKS, whole and unwrapped (books.unwrap): pretrain
+      pretrain/<book>.txt   the PRETRAIN_BOOKS, whole and unwrapped (corpus.unwrap): pretrain
                             on these (`--config.data.source='text:.../pretrain/*.txt'`)
       train.csv, dev.csv    3-way attribution among the UNSEEN_BOOKS (label = the author's
                             surname); each book is cut into `num_regions` equal regions of
@@ -31,7 +31,8 @@ import re
 from typing import Optional, Sequence
 
 from t5x_like import corpus
-from t5x_like.task_builders.books import author, passages, region_rows, unwrap, write_splits
+from t5x_like.corpus import unwrap
+from t5x_like.task_builders.books import author, passages, region_rows, write_splits
 
 UNSEEN_BOOKS = ("carroll_alices_adventures_in_wonderland", "shelley_frankenstein",
                 "wells_the_time_machine")
