@@ -17,6 +17,10 @@ The sections of OPEN_SECTIONS (model.overrides: ModelConfig fields) take any fie
 their dataclass, which the config file sets only some of: `--config.model.overrides.
 FIELD=VALUE` is parsed here, by the field's type as ml-collections parses a key's, and
 set after absl's parse; a name that is no field is refused with the closest fields.
+The sections of FREE_SECTIONS (data.options: the objective's options) take any name:
+a key the config file has is parsed by its type, a new one is kept as text, which
+validation types and checks against the objective (train/config_check.py), as the
+objective is known only then.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ OPEN_SECTIONS = {
     "model.overrides": ("t5x_like.models.config", "ModelConfig"),
     "init.model_overrides": ("t5x_like.models.config", "ModelConfig"),  # finetune
 }
+# Config sections whose keys depend on another key (data.options on data.objective).
+FREE_SECTIONS = ("data.options",)
 # The absl parsers ml-collections gives a key of each type (config_flags).
 _FIELD_PARSERS = {int: flags.IntegerParser(), float: flags.FloatParser(),
                   bool: flags.BooleanParser(), str: flags.ArgumentParser()}
@@ -139,6 +145,8 @@ def usage_text(command: str, fv: flags.FlagValues, doc: Optional[str],
       lines.append("  --config.KEY=VALUE: override any key of the config (repeatable)")
       lines.append("  --config.model.overrides.FIELD=VALUE (finetune: init.model_overrides):"
                    " any ModelConfig field (t5x_like/models/config.py), in the file or not")
+      lines.append("  --config.data.options.NAME=VALUE: any option of data.objective, in the"
+                   " file or not (docs/models-and-data.md lists them)")
   lines.append("  --debug: show the traceback of an error (a t5x-like flag)")
   return "\n".join(lines)
 
@@ -263,7 +271,8 @@ class FieldOverride(NamedTuple):
 
 
 _OPEN_FLAG = re.compile(r"^--?(no)?config\.(%s)\.([^.=]+)(?:=(.*))?$"
-                        % "|".join(re.escape(s) for s in OPEN_SECTIONS), re.S)
+                        % "|".join(re.escape(s) for s in (*OPEN_SECTIONS, *FREE_SECTIONS)),
+                        re.S)
 
 
 def field_types(section: str) -> dict[str, tuple[type, bool]]:
@@ -298,6 +307,13 @@ def split_field_overrides(argv: list[str]) -> tuple[list[str], list[FieldOverrid
       continue
     negated, section, field, value = match.groups()
     flag = arg.split("=", 1)[0]
+    if section in FREE_SECTIONS:
+      if value is None and (negated or i >= len(argv) or argv[i].startswith("-")):
+        value = "false" if negated else "true"  # --config.S.NAME / --noconfig.S.NAME
+      elif value is None:
+        value, i = argv[i], i + 1
+      out.append(FieldOverride(section, field, value, flag))
+      continue
     types_ = field_types(section)
     if field not in types_:
       close = _closest(field, list(types_), cutoff=0.0)  # some field is always closest
@@ -334,13 +350,19 @@ def _parse_field(flag: str, value: str, kind: type, optional: bool) -> Any:
 
 def set_field_overrides(config: ml_collections.ConfigDict,
                         overrides: Sequence[FieldOverride]) -> None:
-  """Sets each override in `config` (locked or not; its type replaces the file's)."""
+  """Sets each override in `config` (locked or not; its type replaces the file's). A
+  FREE_SECTIONS value is text: parsed by the type of the key the file has, if any."""
   for override in overrides:
     section = config
     for part in override.section.split("."):
       section = section[part]
+    value = override.value
+    if override.section in FREE_SECTIONS and override.field in section:
+      kind = type(section[override.field])
+      if kind in _FIELD_PARSERS:
+        value = _parse_field(override.flag, value, kind, optional=False)
     with section.unlocked(), section.ignore_type():
-      section[override.field] = override.value
+      section[override.field] = value
 
 
 def _closest(key: str, candidates: list[str], cutoff: float) -> list[str]:

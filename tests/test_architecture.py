@@ -48,6 +48,8 @@ LONG_FILES = {
     "t5x_like/models/model.py": "one job: the three families' model contract",
     "t5x_like/checkpoint/checkpointer.py": "one job: saving and restoring train state",
     "t5x_like/train/config_check.py": "one job: validating a config before a run",
+    "t5x_like/command_flags.py": "one job: a command's command line (absl flags, --config"
+                                 " overrides and their open sections, usage, errors)",
 }
 
 

@@ -165,6 +165,52 @@ def test_finetune_model_overrides_take_any_model_config_field():
   assert dict(fv.config.init.model_overrides) == {"loss_chunk_rows": 0}
 
 
+# ------------------------------------------- data.options: the objective's options
+@pytest.mark.parametrize("command", ["train", "plan", "bench"])
+def test_data_options_take_any_option_of_the_objective(command):
+  """t5_cpu.py sets no data.options (ml-collections alone refuses new keys): a new name
+  is kept as text on the command line, validation types it by the objective's option
+  (and writes it back), and a key the file has keeps its type; a bad name or value is
+  refused by validation, naming the option."""
+  import importlib
+  from t5x_like.command_flags import parse_flags
+  from t5x_like.train.config_check import ConfigError, validate
+  module = importlib.import_module(f"t5x_like.commands.{command}")
+  fv = parse_flags(command, ["--config=configs/t5_cpu.py:smoke",
+                             "--config.data.objective=ul2", "--config.data.targets_length=32",
+                             "--config.data.options.rates", "1",
+                             "--config.data.options.denoisers=S",
+                             "--noconfig.data.options.mode_tokens"],
+                   module._flags, required=())
+  assert dict(fv.config.data.options) == dict(rates="1", denoisers="S", mode_tokens="false")
+  validate(fv.config, 8)
+  assert dict(fv.config.data.options) == dict(rates="1", denoisers="S", mode_tokens=False)
+  fv = parse_flags(command, ["--config=configs/bert_pretrain.py:base",
+                             "--config.data.options.max_predictions_per_seq=80",
+                             "--config.data.options.masked_lm_prob=0.2"],
+                   module._flags, required=())
+  options = dict(fv.config.data.options)
+  assert options["max_predictions_per_seq"] == 80 and options["masked_lm_prob"] == "0.2"
+  for bad, words in (("--config.data.options.masked_lm_prob=lots", "masked_lm_prob='lots':"
+                      " expected float"),
+                     ("--config.data.options.masked_lm_probb=0.2",
+                      "data.options.masked_lm_probb: not an option")):
+    fv = parse_flags(command, ["--config=configs/bert_cpu.py:smoke", bad], module._flags,
+                     required=())
+    with pytest.raises(ConfigError, match=words):
+      validate(fv.config, 8)
+
+
+def test_an_objective_refusing_its_options_exits_2_before_writing(tmp_path, capsys):
+  workdir = tmp_path / "run"
+  assert cli.main(["train", "--config=configs/t5_cpu.py:smoke", f"--workdir={workdir}",
+                   "--config.data.objective=iid_denoising",
+                   "--config.data.options.noise_density=2"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "noise_density=2.0" in err and "must be in [0, 1]" in err
+  assert not workdir.exists()
+
+
 def test_the_huge_pages_restart_runs_the_interpreters_own_command_line(monkeypatch):
   """The fast twin of the test below: the restart's argv is sys.orig_argv's (a `python
   -c CODE ARGS` start keeps its -c CODE), not sys.argv's."""

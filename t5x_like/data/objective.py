@@ -118,11 +118,42 @@ class ObjectiveSpec:
     """Constructor options a config may set in data.options."""
     return set(self.option_defaults())
 
+  def typed_option(self, name: str, value: Any) -> Any:
+    """An option's value with text parsed by the type of its default: a command line
+    gives text ("0.3" -> 0.3, "false" -> False, "80" -> 80); text for an option without
+    a default is parsed as a number or a boolean where it is one. Other values are
+    returned as they are. ValueError (naming the option) for text that does not parse."""
+    if not isinstance(value, str):
+      return value
+    default = self.option_defaults().get(name)
+    if isinstance(default, str):
+      return value
+    if default is None:
+      for parse in (_parse_bool, int, float):
+        try:
+          return parse(value)
+        except ValueError:
+          pass
+      return value
+    kind = bool if isinstance(default, bool) else type(default)
+    try:
+      return _parse_bool(value) if kind is bool else kind(value)
+    except (TypeError, ValueError):
+      raise ValueError(f"{name}={value!r}: expected {kind.__name__} (like the default"
+                       f" {default!r})") from None
+
   def option_defaults(self) -> dict[str, Any]:
     """{option: its default (None when it has none)} of data.options."""
     params = inspect.signature(self.cls.__init__).parameters
     return {name: (None if p.default is inspect.Parameter.empty else p.default)
             for name, p in params.items() if name not in self.filled | {"self", "store", "seed"}}
+
+
+def _parse_bool(text: str) -> bool:
+  """"true" / "false" (any case, as absl's boolean flags); ValueError otherwise."""
+  if text.lower() in ("true", "false"):
+    return text.lower() == "true"
+  raise ValueError(f"not a boolean: {text!r}")
 
 
 def require_special_ids(vocab, spec: ObjectiveSpec, *names: str) -> None:

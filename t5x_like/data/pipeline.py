@@ -12,7 +12,7 @@ from the spec.
 
 from __future__ import annotations
 
-from t5x_like.data import bert_pretraining, iid_denoising, lm, span_corruption
+from t5x_like.data import bert_pretraining, iid_denoising, lm, span_corruption, ul2
 from t5x_like.data.objective import Objective, ObjectiveSpec
 from t5x_like.data.store import TokenStore
 from t5x_like.data.vocab import Vocabulary
@@ -24,6 +24,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {spec.name: spec for spec in (
     lm.PREFIX_LM,
     lm.PREFIX_LM_ENCDEC,
     iid_denoising.SPEC,
+    ul2.SPEC,
 )}
 
 

@@ -48,20 +48,23 @@ def span_targets_length(inputs_length: int, noise_density: float = 0.15,
   raw, targets = span_corruption_lengths(inputs_length, noise_density, mean_noise_span_length)
   if raw < 2:
     return targets
-  noise, spans = _mask_counts(raw, noise_density, mean_noise_span_length)
+  noise, spans = mask_counts(raw, noise_density, mean_noise_span_length)
   return max(targets, noise + spans + 1)
 
 
-def _mask_counts(n: int, noise_density: float, mean_noise_span_length: float
-                 ) -> tuple[int, int]:
+def mask_counts(n: int, noise_density: float, mean_noise_span_length: float,
+                max_spans: int | None = None) -> tuple[int, int]:
   """(noise tokens, spans) of the mask of an n-token piece (n >= 2).
 
   noise is clamped into [1, n-1], spans = max(1, round(noise / mean)). spans is also
   capped at min(noise, n - noise) so that both compositions exist; the cap only bites
-  for extreme parameters (e.g. density > 0.5 with short spans), never for T5's.
+  for extreme parameters (e.g. density > 0.5 with short spans), never for T5's. A
+  caller with a finite set of sentinels caps spans at max_spans (longer spans).
   """
   noise = min(max(int(round(n * noise_density)), 1), n - 1)
   spans = max(1, int(round(noise / mean_noise_span_length)))
+  if max_spans is not None:
+    spans = min(spans, max(1, max_spans))
   return noise, min(spans, noise, n - noise)
 
 
@@ -131,11 +134,21 @@ def span_corruption(tokens: np.ndarray, rng: np.random.Generator, *, vocab_size:
   if n < 2:
     return (np.concatenate([tokens, [np.int32(eos_id)]]).astype(np.int32),
             np.array([eos_id], np.int32))
-  noise, spans = _mask_counts(n, noise_density, mean_noise_span_length)
-  lengths = _span_lengths(_span_draws(rng, n, noise, spans)[None], n, noise, spans)
-  inputs, targets = _corrupt_batch(tokens[None], lengths, vocab_size=vocab_size,
-                                   eos_id=eos_id)
+  noise, spans = mask_counts(n, noise_density, mean_noise_span_length)
+  inputs, targets = corrupt_pieces(tokens[None], [rng], noise, spans,
+                                   vocab_size=vocab_size, eos_id=eos_id)
   return inputs[0], targets[0]
+
+
+def corrupt_pieces(pieces: np.ndarray, rngs, noise: int, spans: int, *, vocab_size: int,
+                   eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """pieces [B, n] (n >= 2), one generator per row -> (inputs [B, n - noise + spans + 1],
+  targets [B, noise + spans + 1]): each row's `spans` noise spans of `noise` tokens in
+  all, drawn from its generator (the same draws as span_corruption's)."""
+  n = pieces.shape[1]
+  draws = np.stack([_span_draws(rng, n, noise, spans) for rng in rngs])
+  lengths = _span_lengths(draws, n, noise, spans)
+  return _corrupt_batch(pieces, lengths, vocab_size=vocab_size, eos_id=eos_id)
 
 
 def _pad(rows: np.ndarray, length: int) -> np.ndarray:
@@ -166,8 +179,8 @@ class SpanCorruption(Objective):
                                                  mean_noise_span_length)
     if self.raw_length < 2:
       raise ValueError(f"inputs_length={inputs_length} is too short for span corruption")
-    self._noise, self._spans = _mask_counts(self.raw_length, noise_density,
-                                            mean_noise_span_length)
+    self._noise, self._spans = mask_counts(self.raw_length, noise_density,
+                                           mean_noise_span_length)
     self.targets_length = span_targets_length(inputs_length, noise_density,
                                               mean_noise_span_length)
     self._streams = StreamCache(store, seed, separator=None)
@@ -179,11 +192,9 @@ class SpanCorruption(Objective):
     indices = np.asarray(indices, np.int64)
     n = self.raw_length
     pieces, _ = self._streams(epoch).window(indices * n, n)
-    draws = np.stack([_span_draws(example_rng(self.seed, epoch, int(i)), n, self._noise,
-                                  self._spans) for i in indices])
-    lengths = _span_lengths(draws, n, self._noise, self._spans)
-    inputs, targets = _corrupt_batch(pieces, lengths, vocab_size=self.vocab_size,
-                                     eos_id=self.eos_id)
+    rngs = [example_rng(self.seed, epoch, int(i)) for i in indices]
+    inputs, targets = corrupt_pieces(pieces, rngs, self._noise, self._spans,
+                                     vocab_size=self.vocab_size, eos_id=self.eos_id)
     enc = _pad(inputs, self.inputs_length)
     dec = _pad(targets, self.targets_length)
     enc_real = np.arange(self.inputs_length) < inputs.shape[1]

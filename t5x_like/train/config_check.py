@@ -23,15 +23,17 @@ from typing import Any, Optional
 
 import jax
 import ml_collections
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from t5x_like import parallel
 from t5x_like.data.mixture import EXHAUSTED, parse_mixture
 from t5x_like.data.pipeline import OBJECTIVES
 from t5x_like.data.prepared import VERIFY_MODES
+from t5x_like.data.store import TokenStore
 from t5x_like.errors import UserError
-from t5x_like.experiment import (REMAT_AUTO, attention_impl, mesh_rules, model_config_from,
-                                 phase_configs)
+from t5x_like.experiment import (REMAT_AUTO, attention_impl, build_objective, config_vocab,
+                                 mesh_rules, model_config_from, phase_configs)
 from t5x_like.models import Model, build_model
 from t5x_like.models.attention_core import choose_kernel
 from t5x_like.models.config import ATTENTION_IMPLS, DTYPES, PRESETS, REMAT_POLICIES, ModelConfig
@@ -223,6 +225,7 @@ def _check_data(config, model_cfg: ModelConfig) -> None:
   positive("data.num_workers", d.num_workers, allow_zero=True)
   _choice("data.verify_checksums", d.get("verify_checksums", "blocks"), VERIFY_MODES)
   known = spec.option_defaults()
+  _type_command_line_options(d.options, spec)
   option_sets = [("data.options", dict(d.options))] + [
       (f"train.phases[{i}].options", dict(dict(p).get("options", {})))
       for i, p in enumerate(config.train.phases or ())]
@@ -235,6 +238,48 @@ def _check_data(config, model_cfg: ModelConfig) -> None:
       if default is not None and not _same_type(options[key], default):
         raise ConfigError(f"{name}.{key}={options[key]!r}: expected"
                           f" {type(default).__name__} (like the default {default!r})")
+  _check_objective_builds(config)
+
+
+def _check_objective_builds(config) -> None:
+  """Each phase's objective accepts its lengths and options: built once over a small
+  store of one document, so that a value its constructor refuses (a noise density of 2,
+  lengths too short for a denoiser) is a ConfigError before anything is written. Skipped
+  where the vocabulary cannot be read here (checked where it is loaded)."""
+  try:
+    vocab = config_vocab(config, shapes_only=True)
+  except (OSError, ValueError):
+    return
+  store = TokenStore.from_documents([[np.full(16, 5, np.int32)] * 64])
+  try:
+    phases = [c for _, c in phase_configs(config)]
+  except (TypeError, ValueError):  # bad phases: reported by the phase check
+    phases = [config]
+  for c in phases:
+    try:
+      build_objective(c, store, vocab, seed=0)
+    except (TypeError, ValueError) as e:
+      d = c.data
+      raise ConfigError(f"data.objective={d.objective!r} refuses data.length={d.length},"
+                        f" data.targets_length={d.targets_length}, data.options="
+                        f"{dict(d.options)}: {e}") from None
+
+
+def _type_command_line_options(options, spec) -> None:
+  """data.options' text values (`--config.data.options.NAME=VALUE` keeps a name the
+  config file lacks as text: command_flags.FREE_SECTIONS) parsed in place by the
+  objective's option types (ObjectiveSpec.typed_option), so everything downstream of
+  validation sees typed values. Unknown names are left for the check after it."""
+  known = spec.option_defaults()
+  for key in list(options.keys()):
+    if key not in known:
+      continue
+    try:
+      value = spec.typed_option(key, options[key])
+    except ValueError as e:
+      raise ConfigError(f"data.options.{e}") from None
+    with options.ignore_type():
+      options[key] = value
 
 
 SOURCE_SCHEMES = ("embedded", "text", "jsonl", "tfds", "prepared")
