@@ -120,6 +120,51 @@ def test_examples_give_back_the_stream_and_each_denoiser_its_counts():
                                 np.arange(L) * batch["encoder_segment_ids"])
 
 
+def test_the_decoder_layout_is_a_prefix_lm_row_of_the_same_pairs():
+  """ul2_decoder: one row of `length` = mode tokens and inputs (the prefix: seen both
+  ways, no loss), then the targets (loss); each denoiser's piece is the largest whose
+  prefix and targets fit the row together; the rows give the stream back."""
+  store = _store(400)
+  length = 96
+  objective = UL2(store, 5, inputs_length=length, targets_length=None, vocab_size=V,
+                  eos_id=EOS, max_spans=SENTINELS, mode_ids=MODES,
+                  denoisers="R:3:0.15,X:8:0.5,S")
+  kinds, params = ["R", "X", "S"], [(3, 0.15), (8, 0.5), (0, 0)]
+  for k, ((mean, density), kind) in enumerate(zip(params, kinds)):
+    n, mode = int(objective.raw_lengths[k]), len(MODES[kind])
+    def fits(n):
+      if kind == "S":
+        return mode + n + 2 <= length
+      noise, spans = _counts(n, density, mean)
+      return mode + (n - noise + spans + 1) + (noise + spans + 1) <= length
+    assert fits(n) and not fits(n + 1)
+  count = objective.num_examples(0)
+  batch = objective.examples(np.arange(count), 0)
+  assert set(batch) == {"decoder_target_tokens", "decoder_input_tokens",
+                        "decoder_loss_weights", "decoder_causal_attention",
+                        "decoder_segment_ids", "decoder_positions"}
+  pieces = []
+  for i in range(count):
+    row = batch["decoder_target_tokens"][i]
+    loss = batch["decoder_loss_weights"][i].astype(bool)
+    real = int(batch["decoder_segment_ids"][i].sum())
+    split = int(np.flatnonzero(loss)[0])
+    assert loss[split:real].all() and not loss[:split].any() and not loss[real:].any()
+    assert (batch["decoder_causal_attention"][i] == (np.arange(length) <= split)).all()
+    assert (row[real:] == 0).all()
+    np.testing.assert_array_equal(batch["decoder_input_tokens"][i][1:real], row[:real - 1])
+    assert batch["decoder_input_tokens"][i][0] == 0
+    kind = "S" if row[0] == 8 else ("R" if row[0] == 5 else "X")
+    pieces.append(_piece(row[:split], row[split:real], kind)[0])
+  flat = np.concatenate(pieces)
+  np.testing.assert_array_equal(flat, _stream(store, 5, 0)[:len(flat)])
+  spec = OBJECTIVES["ul2_decoder"]
+  assert (spec.vocab_family, spec.model_family, spec.needs_targets_length) == (
+      "t5", "decoder", False)
+  built = make_objective("ul2_decoder", store, default_vocab("t5"), seed=0, length=128)
+  assert built.feature_shapes()["decoder_causal_attention"] == (128,)
+
+
 def test_the_paper_mixture_caps_spans_at_the_sentinels():
   """At 512 / 512 the X (3, 0.5) denoiser would need 135 spans; it gets the vocabulary's
   100 sentinels, so its spans are longer than 3 on average."""

@@ -25,6 +25,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {spec.name: spec for spec in (
     lm.PREFIX_LM_ENCDEC,
     iid_denoising.SPEC,
     ul2.SPEC,
+    ul2.DECODER_SPEC,
 )}
 
 

@@ -1,6 +1,6 @@
-"""UL2's mixture of denoisers for encoder-decoders (Tay et al. 2022, "UL2: Unifying
-Language Learning Paradigms", section 3.1; the reference preprocessor is
-t5.data.preprocessors.ul2_objective).
+"""UL2's mixture of denoisers, for encoder-decoders (ul2) and decoders (ul2_decoder)
+(Tay et al. 2022, "UL2: Unifying Language Learning Paradigms", section 3.1; the
+reference preprocessor is t5.data.preprocessors.ul2_objective).
 
 Every example is made by one denoiser of the mixture:
   R:MEAN:DENSITY, X:MEAN:DENSITY   T5 span corruption (span_corruption.py) with that mean
@@ -17,10 +17,11 @@ X (8, 0.5), X (64, 0.15), X (64, 0.5) and S. `rates` weighs them (comma-separate
 per denoiser); empty means equal weights, as ul2_objective's rates=None.
 
 Lengths: each denoiser cuts the largest raw piece whose example fits inputs_length and
-targets_length (ul2_objective runs random_spans_helper per denoiser), so no denoiser
-wastes text. A span denoiser has at most as many spans as the vocabulary has sentinels
-(T5's: 100); where round(noise / MEAN) would be more, its spans are longer than MEAN
-(the reference would use ordinary pieces as sentinels past the 100th).
+targets_length (ul2_objective runs random_spans_helper per denoiser; the decoder-only
+row holds inputs and targets together), so no denoiser wastes text. A span denoiser has
+at most as many spans as the vocabulary has sentinels (T5's: 100); where
+round(noise / MEAN) would be more, its spans are longer than MEAN (the reference would
+use ordinary pieces as sentinels past the 100th).
 
 Order: the examples of an epoch come in periods of PERIOD; each period holds every
 denoiser's share of PERIOD exactly (largest remainders of the rates), in an order drawn
@@ -28,8 +29,14 @@ from (seed, epoch, period), so every period spans the same number of stream toke
 example i of an epoch stays a cheap, pure function of (seed, epoch, i): its period's
 plan, then example_rng(seed, epoch, i) for its spans or its split point.
 
-Features (int32) as span corruption's: encoder_* [inputs_length], decoder_*
-[targets_length]; segment ids 1 on real tokens, 0 on padding.
+Two layouts, all features int32, segment ids 1 on real tokens and 0 on padding:
+  ul2 (encoder-decoder)   as span corruption's: encoder_* [inputs_length] holds the
+                          mode tokens and the inputs, decoder_* [targets_length] the
+                          targets
+  ul2_decoder (decoder)   one row of `length` as the decoder-only PrefixLM's (lm.py):
+                          the mode tokens and the inputs (the prefix, seen both ways:
+                          decoder_causal_attention), then the targets, the only tokens
+                          with loss; as the UL2 paper trains its decoder-only models
 """
 
 from __future__ import annotations
@@ -118,9 +125,10 @@ class UL2(Objective):
   """
 
   def __init__(self, store: TokenStore, seed: int, *, inputs_length: int,
-               targets_length: int, vocab_size: int, eos_id: int, max_spans: int,
+               targets_length: int | None, vocab_size: int, eos_id: int, max_spans: int,
                mode_ids: dict, denoisers: str = DEFAULT_DENOISERS, rates: str = "",
                mode_tokens: bool = True):
+    """targets_length None: the decoder-only layout, one row of inputs_length."""
     self.store, self.seed = store, seed
     self.inputs_length, self.targets_length = inputs_length, targets_length
     self.vocab_size, self.eos_id, self.max_spans = vocab_size, eos_id, max_spans
@@ -140,20 +148,31 @@ class UL2(Objective):
     self._plans: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
   # ------------------------------------------------------------------ lengths
+  @property
+  def decoder_only(self) -> bool:
+    return self.targets_length is None
+
   def _fits(self, d: Denoiser, n: int, mode: int) -> bool:
-    """Whether a raw piece of n tokens fits inputs_length and targets_length."""
-    if d.kind == "S":
+    """Whether a raw piece of n tokens fits inputs_length and targets_length (the
+    decoder-only row: prefix and targets together in inputs_length)."""
+    if d.kind == "S":  # inputs: s tokens and EOS, targets: n - s tokens and EOS
+      if self.decoder_only:
+        return mode + n + 2 <= self.inputs_length
       return n <= self.inputs_length - mode and n <= self.targets_length
     noise, spans = mask_counts(n, d.density, d.mean, self.max_spans)
-    return (mode + n - noise + spans + 1 <= self.inputs_length
-            and noise + spans + 1 <= self.targets_length)
+    inputs, targets = mode + n - noise + spans + 1, noise + spans + 1
+    if self.decoder_only:
+      return inputs + targets <= self.inputs_length
+    return inputs <= self.inputs_length and targets <= self.targets_length
 
   def _raw_length(self, d: Denoiser, mode: int) -> int:
     """The largest raw piece of denoiser d that fits (at least 2 tokens)."""
     if not self._fits(d, 2, mode):
-      raise ValueError(f"denoiser {d}: inputs_length={self.inputs_length} and"
-                       f" targets_length={self.targets_length} are too short for a piece"
-                       " of 2 tokens" + (f" after its {mode} mode tokens" if mode else ""))
+      lengths = (f"length={self.inputs_length} is" if self.decoder_only else
+                 f"inputs_length={self.inputs_length} and targets_length="
+                 f"{self.targets_length} are")
+      raise ValueError(f"denoiser {d}: {lengths} too short for a piece of 2 tokens"
+                       + (f" after its {mode} mode tokens" if mode else ""))
     n = 2
     while self._fits(d, n + 1, mode):
       n += 1
@@ -202,29 +221,15 @@ class UL2(Objective):
     indices = np.asarray(indices, np.int64)
     batch = len(indices)
     kinds, starts = self.plan(indices, epoch)
+    prefixes, targets = self._pairs(indices, epoch, kinds, starts)
+    if self.decoder_only:
+      return self._decoder_rows(prefixes, targets)
     enc = np.zeros((batch, self.inputs_length), np.int32)
     dec = np.zeros((batch, self.targets_length), np.int32)
-    enc_len = np.zeros(batch, np.int64)
-    dec_len = np.zeros(batch, np.int64)
-    stream = self._streams(epoch)
-    for k in np.unique(kinds):
-      rows = np.flatnonzero(kinds == k)
-      n = int(self.raw_lengths[k])
-      pieces, _ = stream.window(starts[rows], n)
-      rngs = [example_rng(self.seed, epoch, int(i)) for i in indices[rows]]
-      if self.denoisers[k].kind == "S":
-        inputs, targets = self._prefix_lm(pieces, rngs)
-      else:
-        noise, spans = self.spans(int(k))
-        inputs, targets = corrupt_pieces(pieces, rngs, noise, spans,
-                                         vocab_size=self.vocab_size, eos_id=self.eos_id)
-        inputs = [row for row in inputs]
-        targets = [row for row in targets]
-      mode = self.modes[k]
-      for r, x, y in zip(rows, inputs, targets):
-        x = np.concatenate([mode, x])
-        enc[r, :len(x)], dec[r, :len(y)] = x, y
-        enc_len[r], dec_len[r] = len(x), len(y)
+    enc_len = np.array([len(x) for x in prefixes], np.int64)
+    dec_len = np.array([len(y) for y in targets], np.int64)
+    for r, (x, y) in enumerate(zip(prefixes, targets)):
+      enc[r, :len(x)], dec[r, :len(y)] = x, y
     enc_real = np.arange(self.inputs_length) < enc_len[:, None]
     dec_real = np.arange(self.targets_length) < dec_len[:, None]
     enc_seg, dec_seg = enc_real.astype(np.int32), dec_real.astype(np.int32)
@@ -239,6 +244,47 @@ class UL2(Objective):
         "decoder_positions": np.arange(self.targets_length, dtype=np.int32) * dec_seg,
     }
 
+  def _decoder_rows(self, prefixes: list, targets: list) -> Example:
+    """One row per example: the prefix then the targets, 0-padded to inputs_length;
+    lm.py's decoder-only PrefixLM features with the split at the prefix's end."""
+    batch, length = len(prefixes), self.inputs_length
+    rows = np.zeros((batch, length), np.int32)
+    split = np.array([len(x) for x in prefixes], np.int64)[:, None]
+    end = split + np.array([len(y) for y in targets], np.int64)[:, None]
+    for r, (x, y) in enumerate(zip(prefixes, targets)):
+      rows[r, :len(x) + len(y)] = np.concatenate([x, y])
+    pos = np.arange(length, dtype=np.int64)[None, :]
+    real = pos < end
+    seg = real.astype(np.int32)
+    return {
+        "decoder_target_tokens": rows,
+        "decoder_input_tokens": shift_right(rows, real),
+        "decoder_loss_weights": ((pos >= split) & real).astype(np.int32),
+        "decoder_causal_attention": (pos <= split).astype(np.int32),
+        "decoder_segment_ids": seg,
+        "decoder_positions": (pos * seg).astype(np.int32),
+    }
+
+  def _pairs(self, indices, epoch, kinds, starts) -> tuple[list, list]:
+    """(prefixes, targets): each example's mode tokens and inputs, and its targets,
+    as [n_i] int32 arrays."""
+    prefixes, targets = [None] * len(indices), [None] * len(indices)
+    stream = self._streams(epoch)
+    for k in np.unique(kinds):
+      rows = np.flatnonzero(kinds == k)
+      n = int(self.raw_lengths[k])
+      pieces, _ = stream.window(starts[rows], n)
+      rngs = [example_rng(self.seed, epoch, int(i)) for i in indices[rows]]
+      if self.denoisers[k].kind == "S":
+        inputs, outputs = self._prefix_lm(pieces, rngs)
+      else:
+        noise, spans = self.spans(int(k))
+        inputs, outputs = corrupt_pieces(pieces, rngs, noise, spans,
+                                         vocab_size=self.vocab_size, eos_id=self.eos_id)
+      for r, x, y in zip(rows, inputs, outputs):
+        prefixes[r], targets[r] = np.concatenate([self.modes[k], x]), np.asarray(y)
+    return prefixes, targets
+
   def _prefix_lm(self, pieces: np.ndarray, rngs) -> tuple[list, list]:
     """S: each piece t_0 .. t_{n-1} split at s uniform in [1, n - 1] -> inputs
     t_0 .. t_{s-1}, EOS; targets t_s .. t_{n-1}, EOS."""
@@ -252,17 +298,26 @@ class UL2(Objective):
     return inputs, targets
 
 
-def _build(store, vocab, *, seed, length, targets_length=None, **options) -> UL2:
-  require_special_ids(vocab, SPEC, "eos_id")
-  if not targets_length:
+def _build(store, vocab, *, seed, length, targets_length=None, spec=None,
+           **options) -> UL2:
+  spec = spec or SPEC
+  require_special_ids(vocab, spec, "eos_id")
+  if spec is SPEC and not targets_length:
     raise ValueError("objective 'ul2' needs targets_length")
   if not vocab.num_sentinels:
-    raise ValueError(f"objective 'ul2' needs a vocabulary with sentinels; {vocab!r}"
-                     f" (family {vocab.family!r}) has none. Use a 't5' vocabulary.")
+    raise ValueError(f"objective {spec.name!r} needs a vocabulary with sentinels;"
+                     f" {vocab!r} (family {vocab.family!r}) has none. Use a 't5'"
+                     " vocabulary.")
   mode_ids = {kind: vocab.encode(text) for kind, text in MODE_TEXT.items()}
-  return UL2(store, seed, inputs_length=length, targets_length=targets_length,
+  return UL2(store, seed, inputs_length=length,
+             targets_length=targets_length if spec is SPEC else None,
              vocab_size=vocab.vocab_size, eos_id=vocab.eos_id,
              max_spans=vocab.num_sentinels, mode_ids=mode_ids, **options)
+
+
+def _build_decoder(store, vocab, *, seed, length, targets_length=None, **options) -> UL2:
+  del targets_length  # one row of `length`
+  return _build(store, vocab, seed=seed, length=length, spec=DECODER_SPEC, **options)
 
 
 SPEC = ObjectiveSpec("ul2", UL2, vocab_family="t5", model_family="encoder_decoder",
@@ -271,3 +326,5 @@ SPEC = ObjectiveSpec("ul2", UL2, vocab_family="t5", model_family="encoder_decode
                                        "eos_id", "max_spans", "mode_ids"}),
                      needs_targets_length=True,
                      decoder_length=lambda length, targets_length, options: targets_length)
+DECODER_SPEC = ObjectiveSpec("ul2_decoder", UL2, vocab_family="t5", model_family="decoder",
+                             default_length=1024, build=_build_decoder, filled=SPEC.filled)
