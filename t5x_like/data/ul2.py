@@ -117,11 +117,12 @@ def period_counts(rates: np.ndarray, period: int = PERIOD) -> np.ndarray:
 
 
 class UL2(Objective):
-  """UL2's mixture of denoisers; the layout is in the module docstring.
+  """UL2's mixture of denoisers; the layouts are in the module docstring.
 
-  Features (int32): encoder_input_tokens / encoder_segment_ids / encoder_positions
-  [inputs_length]; decoder_target_tokens / decoder_input_tokens / decoder_loss_weights /
-  decoder_segment_ids / decoder_positions [targets_length].
+  Features (int32), encoder-decoder: encoder_input_tokens / encoder_segment_ids /
+  encoder_positions [inputs_length]; decoder_target_tokens / decoder_input_tokens /
+  decoder_loss_weights / decoder_segment_ids / decoder_positions [targets_length].
+  Decoder-only: those decoder_* and decoder_causal_attention, all [inputs_length].
   """
 
   def __init__(self, store: TokenStore, seed: int, *, inputs_length: int,
