@@ -152,13 +152,21 @@ def source_names(specs: Sequence[str]) -> list[str]:
   return names
 
 
+def largest_remainder(rates: Sequence[float], total: int) -> np.ndarray:
+  """[S] int64 counts: rates / sum(rates) * total rounded by largest remainder (ties to
+  the earlier entry), so they sum to total."""
+  rates = np.asarray(rates, np.float64)
+  exact = rates / rates.sum() * total
+  counts = np.floor(exact).astype(np.int64)
+  counts[np.argsort(-(exact - counts), kind="stable")[:total - counts.sum()]] += 1
+  return counts
+
+
 def allocate(rates: Sequence[float], block: int = BLOCK) -> np.ndarray:
   """[S] int64 slots of each source per block: rates / sum(rates) * block, rounded by
   largest remainder (they sum to block). MixtureError if a rate gets no slot."""
   rates = np.asarray(rates, np.float64)
-  exact = rates / rates.sum() * block
-  slots = np.floor(exact).astype(np.int64)
-  slots[np.argsort(-(exact - slots), kind="stable")[:block - slots.sum()]] += 1
+  slots = largest_remainder(rates, block)
   if (slots == 0).any():
     raise MixtureError(f"data.mixture: rate {rates[slots == 0][0]:g} is under 1/{block} of"
                        " the total; raise it or drop the source")

@@ -45,6 +45,7 @@ import dataclasses
 
 import numpy as np
 
+from t5x_like.data.mixture import largest_remainder
 from t5x_like.data.objective import (Example, Objective, ObjectiveSpec, example_rng,
                                      require_special_ids, shift_right)
 from t5x_like.data.span_corruption import corrupt_pieces, mask_counts
@@ -106,16 +107,6 @@ def parse_rates(spec: str, count: int) -> np.ndarray:
   return rates / rates.sum()
 
 
-def period_counts(rates: np.ndarray, period: int = PERIOD) -> np.ndarray:
-  """[K] examples of each denoiser per period: the largest-remainder rounding of
-  rates * period (sums to period)."""
-  exact = rates * period
-  counts = np.floor(exact).astype(np.int64)
-  order = np.argsort(-(exact - counts), kind="stable")
-  counts[order[:period - counts.sum()]] += 1
-  return counts
-
-
 class UL2(Objective):
   """UL2's mixture of denoisers; the layouts are in the module docstring.
 
@@ -135,7 +126,7 @@ class UL2(Objective):
     self.vocab_size, self.eos_id, self.max_spans = vocab_size, eos_id, max_spans
     self.denoisers = parse_denoisers(denoisers)
     self.rates = parse_rates(rates, len(self.denoisers))
-    self.counts = period_counts(self.rates)
+    self.counts = largest_remainder(self.rates, PERIOD)  # examples per period
     starved = [str(d) for d, r, c in zip(self.denoisers, self.rates, self.counts)
                if r > 0 and c == 0]
     if starved:
