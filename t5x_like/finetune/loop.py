@@ -230,16 +230,18 @@ def finetune(config: ml_collections.ConfigDict, workdir, *, data: Optional[TaskD
         run.writer.log(warning)
 
     # ------------------------------------------------------------------ state, resume
+    zero_stage = config.mesh.zero_stage
+
     def create():
       state, shardings = create_train_state(model, optimizer, mesh, rules, batch_shapes,
-                                            jax.random.key(config.seed))
+                                            jax.random.key(config.seed), zero_stage)
       if backbone.params is not None:
         params = model.load_backbone(state.params, backbone.params)
         state = state.replace(params=jax.device_put(params, shardings.params))
       return state, shardings
 
-    start = run.start(abstract_train_state(model, optimizer, mesh, rules, batch_shapes),
-                      create)
+    start = run.start(abstract_train_state(model, optimizer, mesh, rules, batch_shapes,
+                                           zero_stage), create)
     # A checkpoint of a version before the shared loader: its position is its step.
     data_state = (None if start.extra is None else
                   start.extra.get("data", {"next_index": start.step}))
@@ -266,7 +268,7 @@ def finetune(config: ml_collections.ConfigDict, workdir, *, data: Optional[TaskD
     else:
       train_step = make_train_step(model, optimizer, schedule, microbatches=tc.microbatches,
                                    mesh=mesh, rules=rules, state_shardings=start.shardings,
-                                   batch_shapes=batch_shapes)
+                                   batch_shapes=batch_shapes, zero_stage=zero_stage)
       rows = EncodedRows(trained, config.seed, task.padding_groups())
       batches = device_batches(rows, tc.batch_size, seed=config.seed, mesh=mesh, rules=rules,
                                shuffle=False, data_state=data_state)

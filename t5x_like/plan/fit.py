@@ -84,12 +84,13 @@ def row_step(batch_shards: int, microbatches: int) -> int:
 
 
 def compiled_total_bytes(model, optimizer, schedule, mesh, rules, batch_shapes,
-                         microbatches: int = 1) -> int:
+                         microbatches: int = 1, zero_stage: int = 0) -> int:
   """The compiled train step's total bytes per device (memory_analysis); OverMemory when
   the compiler refuses it for HBM (libtpu does at compile time)."""
   try:
     xla = compiled_lib.compile_train_step(model, optimizer, schedule, mesh, rules,
-                                          batch_shapes, microbatches, eval_step=False)
+                                          batch_shapes, microbatches, eval_step=False,
+                                          zero_stage=zero_stage)
   except Exception as e:
     refused = over_memory(e)
     if refused is None:
@@ -109,7 +110,8 @@ def train_step_compiler(phase, model, optimizer, schedule, mesh, rules, vocab) -
     config = ml_collections.ConfigDict(phase.config.to_dict())
     config.train.batch_size = rows * shards
     return compiled_total_bytes(model, optimizer, schedule, mesh, rules,
-                                batch_shapes_for(config, vocab), microbatches)
+                                batch_shapes_for(config, vocab), microbatches,
+                                config.mesh.zero_stage)
 
   return compile_rows
 

@@ -62,10 +62,11 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
+from t5x_like import parallel
 from t5x_like.models import build_model, chunked_loss
 from t5x_like.models.attention_core import tracing_for
 from t5x_like.plan.params import tree_bytes_per_device
-from t5x_like.train.state import opt_state_shardings
+from t5x_like.train.state import opt_state_shardings, update_shardings
 
 STATE_FIELDS = ("params", "opt_state", "batch")
 BACKWARD_FIELDS = ("activations", "backward", "logits", "gathered", "cast_weights")
@@ -279,17 +280,23 @@ def cast_weight_bytes(model, abstract_params: Any, param_shardings: Any, mesh_sh
 
 def estimate_memory(model, optimizer, mesh, param_shardings: Any, abstract_params: Any,
                     batch_shapes: Mapping[str, tuple], *, platform: str,
-                    microbatches: int = 1) -> MemoryEstimate:
+                    microbatches: int = 1, rules=parallel.DEFAULT_RULES,
+                    zero_stage: int = 0) -> MemoryEstimate:
   """The per-device MemoryEstimate of a train step of `model` on `mesh` (a Mesh or
-  AbstractMesh) for a global batch of `batch_shapes` (feature -> shape)."""
+  AbstractMesh) for a global batch of `batch_shapes` (feature -> shape); zero_stage
+  (config.mesh.zero_stage) splits the optimizer state (1) and the gradients and update
+  temporaries (2) over the batch's mesh axes."""
   cfg = model.config
   mesh_shape = dict(mesh.shape)
   batch_shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
   tensor = mesh_shape.get("tensor", 1)
   params = tree_bytes_per_device(abstract_params, param_shardings, mesh_shape)
   abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
-  opt_shardings = opt_state_shardings(abstract_opt, abstract_params, param_shardings, mesh)
+  updates = update_shardings(abstract_params, param_shardings, mesh, rules, zero_stage)
+  opt_shardings = opt_state_shardings(abstract_opt, abstract_params, updates, mesh)
   opt_state = tree_bytes_per_device(abstract_opt, opt_shardings, mesh_shape)
+  update_shards = tree_bytes_per_device(abstract_params, updates, mesh_shape)
+  grads = update_shards if zero_stage >= 2 else params
   device_batch = per_device_batch_shapes(batch_shapes, batch_shards)
   micro = per_device_batch_shapes(batch_shapes, batch_shards, microbatches)
   remat = effective_remat_policy(cfg, platform)
@@ -300,11 +307,11 @@ def estimate_memory(model, optimizer, mesh, param_shardings: Any, abstract_param
   return MemoryEstimate(
       params=params, opt_state=opt_state,
       batch=sum(4 * math.prod(s) for s in device_batch.values()),
-      grads=params * (2 if microbatches > 1 else 1),
+      grads=grads * (2 if microbatches > 1 else 1),
       activations=acts["activations"], backward=acts["backward"],
       logits=acts["logits"] + logits_buffer_bytes(model, micro, tensor),
       gathered=gathered_weight_bytes(abstract_params, param_shardings, mesh_shape, fraction),
       cast_weights=cast_weight_bytes(model, abstract_params, param_shardings, mesh_shape,
                                      platform),
-      update=params * update_temporaries(platform),
+      update=update_shards * update_temporaries(platform),
       per_device_batch=next(iter(device_batch.values()))[0], remat_policy=remat)

@@ -137,20 +137,21 @@ def with_policy(model, policy: str):
 
 
 def compiled_totals(model, optimizer, schedule, mesh, rules, batch_shapes,
-                    microbatches: int = 1, rebuild=with_policy) -> TotalOf:
+                    microbatches: int = 1, rebuild=with_policy, zero_stage: int = 0) -> TotalOf:
   """policy -> the compiled train step's total bytes per device (memory_analysis) of
   rebuild(model, policy) on `mesh`; fit.OverMemory when the compiler refuses it."""
 
   def total_of(policy: str) -> int:
     return compiled_total_bytes(rebuild(model, policy), optimizer, schedule, mesh, rules,
-                                batch_shapes, microbatches)
+                                batch_shapes, microbatches, zero_stage)
 
   return total_of
 
 
 def resolve_remat(model, optimizer, schedule, mesh, rules, batch_shapes, *,
                   microbatches: int = 1, memory_bytes: Optional[int] = None,
-                  headroom: float = MEMORY_HEADROOM, rebuild=with_policy):
+                  headroom: float = MEMORY_HEADROOM, rebuild=with_policy,
+                  zero_stage: int = 0):
   """(model with the chosen policy, RematChoice) for a train step of `batch_shapes`
   (feature -> global shape) on `mesh`, compiled per candidate (choose_remat).
 
@@ -161,7 +162,8 @@ def resolve_remat(model, optimizer, schedule, mesh, rules, batch_shapes, *,
   if memory_bytes is None:
     memory_bytes = local_device_memory()
   choice = choose_remat(compiled_totals(model, optimizer, schedule, mesh, rules, batch_shapes,
-                                        microbatches, rebuild), memory_bytes, headroom=headroom)
+                                        microbatches, rebuild, zero_stage), memory_bytes,
+                        headroom=headroom)
   return rebuild(model, choice.policy), choice
 
 
@@ -189,7 +191,7 @@ def resolve_config_remat(config, model, optimizer, schedule, mesh, rules, vocab=
                                    for _, phase in phase_configs(config)])
   return resolve_remat(model, optimizer, schedule, mesh, rules, batch_shapes,
                        microbatches=int(config.train.microbatches or 1),
-                       memory_bytes=memory_bytes)
+                       memory_bytes=memory_bytes, zero_stage=config.mesh.zero_stage)
 
 
 def plan_remat(config, model, optimizer, schedule, rules, phase_shapes: list[dict], *,
@@ -203,7 +205,7 @@ def plan_remat(config, model, optimizer, schedule, rules, phase_shapes: list[dic
   microbatches = int(config.train.microbatches or 1)
   if real_mesh is not None:
     total_of = compiled_totals(model, optimizer, schedule, real_mesh, rules, shapes,
-                               microbatches)
+                               microbatches, zero_stage=config.mesh.zero_stage)
     return choose_remat(total_of, memory_bytes)
   return choose_remat(lambda policy: estimate_total(with_policy(model, policy), shapes),
                       memory_bytes, by="estimate")

@@ -193,11 +193,12 @@ class TrainBench:
                                                   batch_shapes=self.batch_shapes)
     self.rng = jax.random.key(config.seed)
     self.state, shardings = create_train_state(self.model, optimizer, self.mesh, self.rules,
-                                               self.batch_shapes, jax.random.fold_in(self.rng, 1))
+                                               self.batch_shapes, jax.random.fold_in(self.rng, 1),
+                                               config.mesh.zero_stage)
     step = make_train_step(self.model, optimizer, schedule,
                            microbatches=config.train.microbatches, mesh=self.mesh,
                            rules=self.rules, state_shardings=shardings,
-                           batch_shapes=self.batch_shapes)
+                           batch_shapes=self.batch_shapes, zero_stage=config.mesh.zero_stage)
     start = time.perf_counter()
     with record_kernels() as kernels:
       lowered = step.lower(self.state, self.batches[0], self.rng)

@@ -40,6 +40,7 @@ from t5x_like.models.config import ATTENTION_IMPLS, DTYPES, PRESETS, REMAT_POLIC
 from t5x_like.parallel.mesh import MESH_AXES, config_axis_sizes
 from t5x_like.train.defaults import default_config
 from t5x_like.train.optimizers import OPTIMIZERS, SCHEDULES
+from t5x_like.train.state import check_zero_stage
 
 # Sections whose contents are free-form (checked separately below).
 _OPEN = {"model.overrides", "data.options", "mesh.rules", "train.phases"}
@@ -351,6 +352,10 @@ def check_mesh(config, num_devices: int, model: Optional[Model]) -> dict[str, in
   every parameter of `model` (None: not known) over the axes config.mesh.rules puts it
   on; returns the mesh's axis sizes."""
   _check_rules(config.mesh.rules)
+  try:
+    check_zero_stage(config.mesh.get("zero_stage", 0))
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   sizes = mesh_axis_sizes(config.mesh, num_devices)
   _check_batch(config, sizes)
   if model is not None:

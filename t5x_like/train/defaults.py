@@ -92,6 +92,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.mesh.dcn_fsdp = 1
   c.mesh.dcn_tensor = 1
   c.mesh.rules = ()  # () = t5x_like.parallel.DEFAULT_RULES
+  # ZeRO: 0 every data-parallel device holds the whole optimizer state; 1 each holds and
+  # updates 1 / N of it; 2 the gradients too (reduce-scatter + all-gather in place of the
+  # all-reduce). Stage 3 (parameters sharded) is mesh.fsdp > 1. docs/tpu.md.
+  c.mesh.zero_stage = 0
   return c
 
 

@@ -111,10 +111,11 @@ def train(config: ml_collections.ConfigDict, workdir, *,
 
     # -------------------------------------------------------------------- state, resume
     rng = jax.random.key(config.seed)
+    zero_stage = config.mesh.zero_stage
     start = run.start(
-        abstract_train_state(model, optimizer, mesh, rules, batch_shapes),
+        abstract_train_state(model, optimizer, mesh, rules, batch_shapes, zero_stage),
         lambda: create_train_state(model, optimizer, mesh, rules, batch_shapes,
-                                   jax.random.fold_in(rng, 1)))
+                                   jax.random.fold_in(rng, 1), zero_stage))
     if jax.process_index() == 0:  # the workdir names its model: WORKDIR/config.py
       not_saved = write_run_config(run.workdir, config)
       if not_saved:
@@ -129,7 +130,7 @@ def train(config: ml_collections.ConfigDict, workdir, *,
       train_step = make_train_step(model, optimizer, schedule,
                                    microbatches=tc.microbatches, mesh=mesh, rules=rules,
                                    state_shardings=start.shardings,
-                                   batch_shapes=batch_shapes)
+                                   batch_shapes=batch_shapes, zero_stage=zero_stage)
       eval_step = make_eval_step(model, mesh=mesh, rules=rules,
                                  state_shardings=start.shardings, batch_shapes=batch_shapes)
       flops_per_step = flops_lib.train_flops_per_step(model.config, batch_shapes)

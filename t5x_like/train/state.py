@@ -1,14 +1,19 @@
 """The train state and its shardings: params and optimizer state created already sharded.
 
   TrainState(step, params, opt_state)
-  create_train_state(model, optimizer, mesh, rules, batch_shapes, rng) -> (state, shardings)
-  abstract_train_state(model, optimizer, mesh, rules, batch_shapes) -> ShapeDtypeStructs
+  create_train_state(model, optimizer, mesh, rules, batch_shapes, rng, zero_stage=0)
+      -> (state, shardings)
+  abstract_train_state(model, optimizer, mesh, rules, batch_shapes, zero_stage=0)
+      -> ShapeDtypeStructs
 
 Param shardings come from the model's logical axis names through the rules. An
 optimizer-state leaf that mirrors a param (its tree path ends with the param's path)
 follows that param: the same sharding for the same shape (Adam's mu / nu), the
 param's spec without the reduced dim for one dim fewer (Adafactor's v_row / v_col).
-Everything else (counts, placeholders) is replicated.
+Everything else (counts, placeholders) is replicated. With zero_stage >= 1
+(config.mesh.zero_stage; ZeRO, Rajbhandari et al. 2020) the state mirrors the param's
+update shard instead (parallel.zero_shardings): the param's sharding further split over
+the batch's mesh axes, so each data-parallel device holds 1 / N of the moments.
 """
 
 from __future__ import annotations
@@ -82,25 +87,47 @@ def opt_state_shardings(abstract_opt_state: Any, abstract_params: Params,
   return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_opt_state)
 
 
+def check_zero_stage(zero_stage: int) -> int:
+  """zero_stage as an int; ValueError naming mesh.zero_stage for one not in
+  parallel.ZERO_STAGES."""
+  if zero_stage not in parallel.ZERO_STAGES:
+    raise ValueError(f"mesh.zero_stage={zero_stage!r}: expected one of"
+                     f" {sorted(parallel.ZERO_STAGES)} (stage 3, parameters sharded too, is"
+                     f" mesh.fsdp > 1)")
+  return int(zero_stage)
+
+
+def update_shardings(abstract_params: Params, param_shardings: Any, mesh: Mesh, rules,
+                     zero_stage: int) -> Any:
+  """Per param, the sharding its optimizer state (and, at stage 2, its gradient) takes:
+  the param's own at stage 0, its ZeRO shard (parallel.zero_shardings) from stage 1."""
+  if check_zero_stage(zero_stage) == 0:
+    return param_shardings
+  return parallel.zero_shardings(abstract_params, param_shardings, mesh, rules)
+
+
 def train_state_shardings(model, optimizer: optax.GradientTransformation, mesh: Mesh,
                           rules=parallel.DEFAULT_RULES,
-                          batch_shapes: Optional[Mapping[str, Any]] = None) -> TrainState:
+                          batch_shapes: Optional[Mapping[str, Any]] = None,
+                          zero_stage: int = 0) -> TrainState:
   """TrainState of NamedShardings, computed without allocating anything."""
   shapes = _as_shapes(batch_shapes, model)
   abstract_params = model.param_shapes(shapes)
   p_shardings = parallel.param_shardings(model, mesh, rules, shapes)
   abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+  mirrored = update_shardings(abstract_params, p_shardings, mesh, rules, zero_stage)
   return TrainState(step=NamedSharding(mesh, PartitionSpec()), params=p_shardings,
-                    opt_state=opt_state_shardings(abstract_opt, abstract_params, p_shardings,
+                    opt_state=opt_state_shardings(abstract_opt, abstract_params, mirrored,
                                                   mesh))
 
 
 def abstract_train_state(model, optimizer: optax.GradientTransformation, mesh: Mesh,
                          rules=parallel.DEFAULT_RULES,
-                         batch_shapes: Optional[Mapping[str, Any]] = None) -> TrainState:
+                         batch_shapes: Optional[Mapping[str, Any]] = None,
+                         zero_stage: int = 0) -> TrainState:
   """TrainState of jax.ShapeDtypeStruct with .sharding on `mesh` (a restore target)."""
   shapes = _as_shapes(batch_shapes, model)
-  shardings = train_state_shardings(model, optimizer, mesh, rules, shapes)
+  shardings = train_state_shardings(model, optimizer, mesh, rules, shapes, zero_stage)
   abstract = jax.eval_shape(lambda: _init_state(model, optimizer, shapes, jax.random.key(0)))
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                       abstract, shardings)
@@ -115,15 +142,16 @@ def _init_state(model, optimizer, batch_shapes, rng) -> TrainState:
 def create_train_state(model, optimizer: optax.GradientTransformation, mesh: Mesh,
                        rules=parallel.DEFAULT_RULES,
                        batch_shapes: Optional[Mapping[str, Any]] = None,
-                       rng: Optional[jax.Array] = None) -> tuple[TrainState, TrainState]:
+                       rng: Optional[jax.Array] = None,
+                       zero_stage: int = 0) -> tuple[TrainState, TrainState]:
   """(state, state_shardings): params and optimizer state initialised already sharded.
 
   One jit of (model.init, optimizer.init) with out_shardings, so no device ever
   holds more than its shards. batch_shapes: {feature: shape} of the global batch
-  (default: the model's example shapes).
+  (default: the model's example shapes); zero_stage: config.mesh.zero_stage.
   """
   shapes = _as_shapes(batch_shapes, model)
   rng = jax.random.key(0) if rng is None else rng
-  shardings = train_state_shardings(model, optimizer, mesh, rules, shapes)
+  shardings = train_state_shardings(model, optimizer, mesh, rules, shapes, zero_stage)
   init = jax.jit(lambda r: _init_state(model, optimizer, shapes, r), out_shardings=shardings)
   return init(rng), shardings

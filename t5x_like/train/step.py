@@ -22,7 +22,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from t5x_like import parallel
-from t5x_like.train.state import TrainState
+from t5x_like.train.state import TrainState, check_zero_stage, update_shardings
 
 Batch = Mapping[str, jax.Array]
 
@@ -88,7 +88,8 @@ def make_train_step(model, optimizer: optax.GradientTransformation,
                     schedule: Callable[[Any], jax.Array], *, microbatches: int = 1,
                     mesh: Mesh, rules=parallel.DEFAULT_RULES, state_shardings: TrainState,
                     batch_shardings: Optional[Mapping[str, NamedSharding]] = None,
-                    batch_shapes: Optional[Mapping[str, Any]] = None) -> Callable:
+                    batch_shapes: Optional[Mapping[str, Any]] = None,
+                    zero_stage: int = 0) -> Callable:
   """Jitted train_step(state, batch, rng) -> (new_state, metrics), state donated.
 
   batch: {feature: [B, ...]} sharded as batch_shardings (or as parallel.batch_shardings
@@ -97,14 +98,22 @@ def make_train_step(model, optimizer: optax.GradientTransformation,
   metrics (replicated device scalars): the model's metrics and loss summed over
   microbatches (= full-batch values), grad_norm (global, before clipping),
   learning_rate (schedule(state.step)) and token_counts(batch).
+  zero_stage (config.mesh.zero_stage; state_shardings made with the same): at 2 the
+  float32 gradients (and a microbatch accumulator) take the optimizer state's ZeRO
+  shards, so the gradient reduction is a reduce-scatter and each device updates its
+  shard; the new params are gathered back to their own sharding.
   """
   microbatches = int(microbatches or 1)
   if microbatches < 1:
     raise ValueError(f"microbatches={microbatches}: must be >= 1")
   batch_shardings = _batch_shardings(mesh, rules, batch_shardings, batch_shapes)
   grad_fn = jax.value_and_grad(model.loss_fn, has_aux=True)
+  check_zero_stage(zero_stage)
 
   def train_step(state: TrainState, batch: Batch, rng: jax.Array):
+    grad_shardings = (update_shardings(state.params, state_shardings.params, mesh, rules,
+                                       zero_stage) if zero_stage >= 2
+                      else state_shardings.params)
     with parallel.traced_rules(mesh, rules):
       normalizers = model.loss_normalizers(batch)
       step_rng = jax.random.fold_in(rng, state.step)
@@ -116,6 +125,8 @@ def make_train_step(model, optimizer: optax.GradientTransformation,
 
       if microbatches == 1:
         grads, metrics = micro_grads(batch, 0)
+        if zero_stage >= 2:
+          grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
       else:
         micro = split_microbatches(batch, microbatches)
         first = jax.tree.map(lambda x: x[0], micro)
@@ -127,8 +138,9 @@ def make_train_step(model, optimizer: optax.GradientTransformation,
           index, micro_batch = xs
           grads, metrics = micro_grads(micro_batch, index)
           grads, metrics = jax.tree.map(jnp.add, carry, (grads, metrics))
-          # The float32 accumulator lives sharded like the params (FSDP memory).
-          return (jax.lax.with_sharding_constraint(grads, state_shardings.params), metrics), None
+          # The float32 accumulator lives sharded like the params (FSDP memory), or as
+          # the optimizer state's shards at ZeRO stage 2.
+          return (jax.lax.with_sharding_constraint(grads, grad_shardings), metrics), None
 
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
                              (_abstract(state.params), metric_shapes))
