@@ -1,5 +1,5 @@
 """`t5x-like plan --config FILE[:ARG] [--config.KEY=VALUE ...] [--topology NAME ...]
-[--compile=yes [--fit_batch]]`.
+[--compile=yes [--fit_batch] [--search_layouts]]`.
 
 Prints the plan of a config on each topology (default: the devices present) as text,
 or with --json one JSON object per line. absl / ml-collections flags, as `train`.
@@ -35,6 +35,9 @@ def _flags(argv: list[str]) -> flags.FlagValues:
   flags.DEFINE_bool("fit_batch", False, "with the compile: search, by compiling the train"
                     " step again (2-4 times per phase), for the largest per-device batch"
                     " that fits the device's memory", flag_values=fv)
+  flags.DEFINE_bool("search_layouts", False, "with the compile: compile the train step of"
+                    " every layout (data x fsdp x tensor, mesh.zero_stage) and print the"
+                    " fastest that fits as --config. flags (plan/layouts.py)", flag_values=fv)
   return fv
 
 
@@ -45,6 +48,28 @@ def _config_source(argv: list[str]) -> str:
     if arg == "--config" and i + 1 < len(argv):
       return argv[i + 1]
   return "config"
+
+
+def _search(config, topology, compile_step: str) -> dict:
+  """plan/layouts.py's search on the topology's devices (present, or libtpu's)."""
+  import jax
+  from t5x_like.plan import tpu as tpu_lib
+  from t5x_like.plan.layouts import search_layouts
+  from t5x_like.plan.roofline import chip_for
+  if compile_step == "no":
+    raise ValueError("--search_layouts compiles every candidate: drop --compile=no")
+  if topology.devices_present():
+    devices = jax.devices(topology.platform)
+  elif topology.platform == "tpu":
+    devices = tpu_lib.slice_devices(topology)
+  else:
+    raise ValueError(f"--search_layouts: the {topology.num_devices} {topology.device_kind}"
+                     f" devices of {topology.name} are not all present here")
+  result = search_layouts(config, devices, chip_for(topology), topology.memory_bytes)
+  chosen = result["chosen"]
+  result["chosen_layout"] = None if chosen is None else chosen["layout"]
+  result["mfu_ceiling"] = None if chosen is None else chosen.get("mfu_ceiling")
+  return result
 
 
 def main(argv: list[str]) -> int:
@@ -61,10 +86,15 @@ def main(argv: list[str]) -> int:
     for topology in topologies:
       plan = make_plan(fv.config, topology, mfu=fv.mfu, compile_step=fv.compile,
                        fit_batch=fv.fit_batch)
+      if fv.search_layouts:
+        plan["layout_search"] = _search(fv.config, topology, fv.compile)
       if fv.json:
         print(json.dumps(plan), flush=True)
       else:
         print(format_plan(plan, _config_source(argv[1:])) + "\n", flush=True)
+        if fv.search_layouts:
+          from t5x_like.plan.layouts import search_lines
+          print("\n".join(search_lines(plan["layout_search"])) + "\n", flush=True)
   except ValueError as e:
     print(f"t5x-like plan: {e}", file=sys.stderr)
     return 2

@@ -90,15 +90,17 @@ def _replicated_key(mesh: Mesh):
 def compile_train_step(model, optimizer, schedule, mesh: Mesh, rules,
                        batch_shapes: Mapping[str, tuple], microbatches: int = 1,
                        eval_step: bool = False,
-                       chip: Optional[roofline_lib.Chip] = None) -> dict[str, Any]:
+                       chip: Optional[roofline_lib.Chip] = None,
+                       zero_stage: int = 0) -> dict[str, Any]:
   """analyze() of the jitted train step on `mesh` for a global batch of `batch_shapes`
   (feature -> shape); with eval_step, the eval step's under 'eval'; with chip, each
   step's roofline on it."""
-  state = abstract_train_state(model, optimizer, mesh, rules, batch_shapes)
+  state = abstract_train_state(model, optimizer, mesh, rules, batch_shapes, zero_stage)
   shardings = jax.tree.map(lambda x: x.sharding, state)
   batch = _abstract_batch(batch_shapes, mesh, rules)
   step = make_train_step(model, optimizer, schedule, microbatches=microbatches, mesh=mesh,
-                         rules=rules, state_shardings=shardings, batch_shapes=batch_shapes)
+                         rules=rules, state_shardings=shardings, batch_shapes=batch_shapes,
+                         zero_stage=zero_stage)
   out = analyze(step.lower(state, batch, _replicated_key(mesh)).compile(), mesh.size, chip)
   if eval_step:
     evaluate = make_eval_step(model, mesh=mesh, rules=rules, state_shardings=shardings,

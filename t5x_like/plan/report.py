@@ -110,7 +110,8 @@ def _phase_json(phase: Phase, model, optimizer, schedule, mesh, table, topology:
   step_seconds = flops / (topology.num_devices * topology.peak_flops * mfu)
   memory = estimate_memory(model, optimizer, mesh, table.shardings, table.abstract_params,
                            phase.batch_shapes, platform=topology.platform,
-                           microbatches=microbatches)
+                           microbatches=microbatches, rules=rules,
+                           zero_stage=config.mesh.zero_stage)
   batch_shards = mesh_shape["data"] * mesh_shape["fsdp"]
   out = {
       "index": phase.index, "first_step": phase.first_step, "until_step": phase.until_step,
@@ -135,7 +136,8 @@ def _phase_json(phase: Phase, model, optimizer, schedule, mesh, table, topology:
       xla = compiled_lib.compile_train_step(model, optimizer, schedule, real_mesh, rules,
                                             phase.batch_shapes, microbatches,
                                             eval_step=eval_step,
-                                            chip=roofline_lib.chip_for(topology))
+                                            chip=roofline_lib.chip_for(topology),
+                                            zero_stage=config.mesh.zero_stage)
     except Exception as e:
       refusal = fit_lib.over_memory(e)
       if refusal is None or refit is None:
@@ -260,7 +262,8 @@ def _make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: fl
       memory_bytes=topology.memory_bytes or None, real_mesh=real_mesh,
       estimate_total=lambda m, shapes: estimate_memory(
           m, optimizer, mesh, table.shardings, table.abstract_params, shapes,
-          platform=topology.platform, microbatches=int(config.train.microbatches or 1)).total)
+          platform=topology.platform, microbatches=int(config.train.microbatches or 1),
+          rules=rules, zero_stage=config.mesh.zero_stage).total)
   model = model if remat is None else remat_lib.with_policy(model, remat.policy)
   fitter = None
   if real_mesh is not None and topology.memory_bytes:
