@@ -196,6 +196,7 @@ def test_mfu_arithmetic():
     ("TPU v5", "tpu", "bfloat16", 459e12),
     ("TPU v5p", "tpu", "float32", 459e12),
     ("TPU v6 lite", "tpu", "bfloat16", 918e12),
+    ("TPU7x", "tpu", "bfloat16", 1153.5e12),  # one TensorCore: half of 2307e12 a chip
     ("NVIDIA H100 80GB HBM3", "gpu", "bfloat16", 989e12),
     ("NVIDIA H100 80GB HBM3", "gpu", "float32", 494.5e12),
     ("NVIDIA H200", "gpu", "bfloat16", 989e12),

@@ -336,3 +336,35 @@ def test_topologies_count_devices_hosts_and_peaks():
         devices, hosts, peak, gib * 2**30), name
     assert not t.devices_present()
   assert parse_topology("cpu-8").devices_present()  # conftest's 8 fake devices
+
+
+# TPU7x (Ironwood), per chip (docs.cloud.google.com/tpu/docs/tpu7x): 2307 TFLOP/s bf16,
+# 192 GiB HBM at 7380 GB/s, ICI 1200 GB/s both ways, 2 TensorCores, 4 chips a host. Each
+# TensorCore is one JAX device, and tpu7x-N counts TensorCores: N devices, N/2 chips.
+TPU7X_CHIP = dict(peak=2307e12, hbm=192 * 2**30, hbm_bw=7380e9, ici_both_ways=1200e9)
+
+
+def test_tpu7x_slices_count_tensorcores_as_devices_with_half_a_chip_each():
+  from t5x_like.plan import tpu
+  from t5x_like.plan.topology import family_of, known_topologies
+  cases = {"tpu7x-8": (8, 1), "tpu7x-16": (16, 2), "tpu7x-64": (64, 8),
+           "tpu7x-512": (512, 64), "2xtpu7x-8": (16, 2)}  # 4 chips = 8 devices a host
+  for name, (devices, hosts) in cases.items():
+    t = parse_topology(name)
+    assert (t.platform, t.device_kind, t.num_devices, t.num_hosts) == (
+        "tpu", "TPU7x", devices, hosts), name
+    assert t.peak_flops == 1153.5e12 == TPU7X_CHIP["peak"] / 2
+    assert t.memory_bytes == 96 * 2**30 == TPU7X_CHIP["hbm"] // 2
+    assert t.hbm_bandwidth == 3690e9 == TPU7X_CHIP["hbm_bw"] / 2
+    assert t.ici_bandwidth == 300e9 == TPU7X_CHIP["ici_both_ways"] / 2 / 2  # one way
+    assert not t.devices_present()
+  assert parse_topology("2xtpu7x-8").num_slices == 2
+  assert family_of("TPU7x") is family_of("tpu7x") is not None
+  assert family_of("TPU7x").cores_per_device == 1
+  assert tpu.libtpu_topology("tpu7x-8") == ("tpu7x:2x2x1", {}, 1)  # 2x2x1 chips
+  assert tpu.libtpu_topology("2xtpu7x-64") == ("tpu7x:2x4x4", {}, 2)
+  assert [s for s in tpu.supported_slices() if s.startswith("tpu7x")] == [
+      f"tpu7x-{n}" for n in (8, 16, 32, 64, 128, 256, 512)]
+  with pytest.raises(ValueError, match="tpu7x-8, tpu7x-16"):
+    tpu.libtpu_topology("tpu7x-4")  # 2 chips: less than a host's 2x2x1
+  assert "tpu7x" in known_topologies() and "tpu7x-64" in known_topologies()

@@ -498,3 +498,83 @@ def test_continue_fits_reruns_only_the_rows_whose_search_stopped(tmp_path, monke
   assert "112 (15.00 GiB)" in capsys.readouterr().out
   assert recipes.main(["--continue-fits"]) == 2  # a usage error: one line, exit 2
   assert "--resume-from" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ TPU7x (Ironwood)
+@pytest.mark.tpu
+def test_tpu7x_slices_are_two_devices_a_chip_and_eight_a_host():
+  """tpu7x-N: N TensorCores, each its own JAX device (no megacore), N/2 chips, 4 chips
+  (8 devices) a host, as libtpu lays them out."""
+  pytest.importorskip("libtpu")
+  from t5x_like.plan.topology import parse_topology
+  names = [s for s in tpu.supported_slices() if s.startswith("tpu7x-")]
+  assert names[0] == "tpu7x-8" and len(names) == 7
+  for name in names + ["2xtpu7x-8"]:
+    topology, devices = parse_topology(name), tpu.slice_devices(name)
+    assert len(devices) == topology.num_devices, name
+    assert {d.device_kind for d in devices} == {"TPU7x"}
+    chips = {(getattr(d, "slice_index", 0), *d.coords) for d in devices}
+    assert len(chips) == topology.num_devices // 2
+    assert {d.core_on_chip for d in devices} == {0, 1}
+    assert len({(getattr(d, "slice_index", 0), d.process_index) for d in devices}) == \
+        topology.num_hosts
+  assert {d.slice_index for d in tpu.slice_devices("2xtpu7x-8")} == {0, 1}
+
+
+@pytest.mark.tpu
+def test_plan_compiles_a_data_parallel_step_for_a_tpu7x_8_and_prints_its_roofline(capsys):
+  """`t5x-like plan --config configs/bert_cpu.py:smoke --topology tpu7x-8 --compile=yes`:
+  8 TPU7x devices on one host, the train and eval steps fit, the roofline at half a
+  chip's figures (1153.5 TFLOP/s, 3690 GB/s HBM, 300 GB/s ICI one way)."""
+  pytest.importorskip("libtpu")
+  rc = cli.main(["plan", "--config", f"{CONFIGS / 'bert_cpu.py'}:smoke", "--topology",
+                 "tpu7x-8", "--compile=yes"])
+  out = capsys.readouterr().out
+  assert rc == 0
+  assert ("on tpu7x-8: 8 x TPU7x devices, 1 host(s); 1153.5 TFLOP/s peak and 96.00 GiB per"
+          " device") in out, out
+  assert re.search(r"train step: fits \([\d.]+ \w+ free\); eval step: fits", out), out
+  roofline = [line for line in out.splitlines() if line.startswith("  roofline: step >= ")]
+  assert roofline, out
+  assert "    per device at 1153.5 TFLOP/s, HBM 3690 GB/s, ICI 300 GB/s: " in out
+  print("\n".join(roofline))
+  total, = [line for line in out.splitlines() if line.startswith("total: ")]
+  assert total.endswith("per device of 96.00 GiB: fits")
+
+
+# The shipped pretraining recipes (t5x_like/plan/recipes.py's configs and phases) on a
+# tpu7x-64 (2x4x4: 32 chips, 8 hosts): global batches 256 and 512 split 4 and 8 rows a
+# device.
+TPU7X_RECIPES = [("configs/bert_pretrain.py:base", 0), ("configs/bert_pretrain.py:base", 1),
+                 ("configs/t5_pretrain.py:base", None), ("configs/gpt2_pretrain.py:124m", None),
+                 ("configs/bert_pretrain.py:large", 0), ("configs/bert_pretrain.py:large", 1)]
+
+
+@pytest.mark.tpu
+@pytest.mark.long  # minutes per recipe on 2 cores
+@pytest.mark.parametrize("recipe", TPU7X_RECIPES, ids=lambda r: r[0].split("/")[-1]
+                         + ("" if r[1] is None else f"-phase{r[1] + 1}"))
+def test_pretraining_recipe_fits_a_tpu7x_64_by_the_compilers_numbers(recipe):
+  pytest.importorskip("libtpu")
+  import time
+  from t5x_like.command_flags import load_config_file
+  from t5x_like.plan.report import make_plan
+  from t5x_like.plan.text import human_bytes, roofline_lines
+  from t5x_like.plan.topology import parse_topology
+  path, phase_index = recipe
+  config = recipes.phase_config(load_config_file(str(CONFIGS.parent / path)), phase_index)
+  topology = parse_topology("tpu7x-64", config.model.dtype)
+  start = time.monotonic()
+  plan = make_plan(config, topology, compile_step="yes", eval_step=False)
+  seconds = time.monotonic() - start
+  phase, = plan["phases"]
+  x = phase["xla"]
+  assert plan["compiled"] and plan["batch_size"] % 64 == 0
+  assert x is not None, phase.get("xla_refused")
+  total = x["memory"]["total_bytes"]
+  print(f"{path} phase {phase_index} on tpu7x-64: {seconds:.0f} s; compiler"
+        f" {human_bytes(total)} of {human_bytes(topology.memory_bytes)} per device;"
+        f" estimate / compiler {x['memory_ratio']:.2f}")
+  print("\n".join(roofline_lines(phase["roofline"], phase["steps"])))
+  assert x["fits"] and 0 < total <= topology.memory_bytes
+  assert phase["roofline"]["seconds"] > 0

@@ -3,9 +3,10 @@
   topology = parse_topology("v3-32")       # 32 JAX devices (cores) on 4 hosts
   mesh = planned_mesh(config.mesh, topology.num_devices)   # an AbstractMesh
 
-A JAX device is one TensorCore on TPU v2/v3 (two per chip) and one chip from v4 on
-(megacore). Slice names count TensorCores for v2/v3/v4/v5p (v4-64 = 32 chips) and
-chips for v5e/v6e, as Cloud TPU names them. Nothing here needs the devices to exist.
+A JAX device is one TensorCore on TPU v2/v3 and TPU7x (two per chip) and one chip on
+v4/v5p (megacore) and v5e/v6e (one TensorCore). Slice names count TensorCores for
+v2/v3/v4/v5p/tpu7x (v4-64 = 32 chips, tpu7x-8 = 4 chips) and chips for v5e/v6e, as Cloud
+TPU names them. Nothing here needs the devices to exist.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ GiB = 1 << 30
 class Family:
   """One accelerator generation: how its slice names count and what a device holds.
 
-  hbm_bandwidth, ici_bandwidth: bytes/s of one JAX device (a TensorCore on v2/v3, half
-  a chip's) to its HBM and over the interconnect (ICI; NVLink on GPUs) in one direction,
-  all links together; for plan/roofline.py. 0: unknown.
+  hbm_bandwidth, ici_bandwidth: bytes/s of one JAX device (a TensorCore on v2/v3 and
+  TPU7x, half a chip's) to its HBM and over the interconnect (ICI; NVLink on GPUs) in
+  one direction, all links together; for plan/roofline.py. 0: unknown.
   """
 
   device_kind: str  # as jax reports it: looks up the peak in train/flops.py
@@ -57,6 +58,17 @@ GB = 10**9
 #     directions, so 300 one way).
 #   H100 SXM: NVIDIA H100 datasheet: HBM3 3.35 TB/s; NVLink 900 GB/s (450 one way).
 #   H200 SXM: NVIDIA H200 datasheet: HBM3e 4.8 TB/s, 141 GB; NVLink 900 GB/s.
+#   TPU7x (Ironwood): docs.cloud.google.com/tpu/docs/tpu7x ("TPU7x (Ironwood)", System
+#     architecture table), per chip: peak BF16 2307 TFLOPs (FP8 4614), HBM 192 GiB,
+#     HBM bandwidth 7380 GB/s, 2 TensorCores (and 4 SparseCores), bidirectional ICI
+#     1200 GB/s (600 one way), 4 chips per VM. Each TensorCore is its own JAX device (the
+#     page's "Dual-chiplet architecture": the programming model gives "two TPU devices"
+#     per chip, not one megacore; libtpu's tpu7x:2x2x1 has 8 devices, device_kind
+#     'TPU7x', one core each), so a device gets half of each:
+#     1153.5 TFLOP/s, 96 GiB, 3690 GB/s, 300 GB/s one way; 8 devices per host. Slice
+#     names count TensorCores: tpu7x-8 is 2x2x1 (4 chips), as in Google's xpk
+#     (AI-Hypercomputer/xpk src/xpk/core/system_characteristics.py: device_type
+#     f"tpu7x-{chips * 2}" for topology 2x2x1 ..., 4 chips per VM).
 FAMILIES = {
     "v2": Family("TPU v2", "tpu", 8 * GiB, 8, 1, 700 * GB / 2, 4 * 496e9 / 8 / 2),
     "v3": Family("TPU v3", "tpu", 16 * GiB, 8, 1, 900 * GB / 2, 4 * 656e9 / 8 / 2),
@@ -64,12 +76,13 @@ FAMILIES = {
     "v5e": Family("TPU v5 lite", "tpu", 16 * GiB, 4, 1, 819 * GB, 1600e9 / 8),
     "v5p": Family("TPU v5p", "tpu", 95 * GiB, 4, 2, 2765 * GB, 4800e9 / 8),
     "v6e": Family("TPU v6 lite", "tpu", 32 * GiB, 4, 1, 1640 * GB, 3584e9 / 8),
+    "tpu7x": Family("TPU7x", "tpu", 192 * GiB // 2, 8, 1, 7380 * GB / 2, 1200 * GB / 2 / 2),
     "a100": Family("A100", "gpu", 80 * 10**9, 8, 1, 2039 * GB, 300 * GB),
     "h100": Family("H100", "gpu", 80 * 10**9, 8, 1, 3350 * GB, 450 * GB),
     "h200": Family("H200", "gpu", 141 * 10**9, 8, 1, 4800 * GB, 450 * GB),
     "cpu": Family("cpu", "cpu", 0, 0, 1),  # memory and peak: of this host, measured
 }
-EXAMPLES = ("v3-32", "v3-128", "v4-64", "v5p-128", "v5e-16", "2xv5e-16", "cpu-8")
+EXAMPLES = ("v3-32", "v3-128", "v4-64", "v5p-128", "v5e-16", "tpu7x-64", "2xv5e-16", "cpu-8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +118,8 @@ class Topology:
 def known_topologies() -> str:
   """The accepted name patterns, for error messages and --help."""
   return (f"<family>-<N> with family one of {sorted(FAMILIES)} (N = TensorCores for v2, v3,"
-          f" v4, v5p; chips for v5e, v6e; GPUs for a100, h100, h200; devices for cpu), and K"
-          f" slices of a TPU one as Kx<family>-<N>, e.g."
+          f" v4, v5p, tpu7x; chips for v5e, v6e; GPUs for a100, h100, h200; devices for cpu),"
+          f" and K slices of a TPU one as Kx<family>-<N>, e.g."
           f" {', '.join(EXAMPLES)}")
 
 

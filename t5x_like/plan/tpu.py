@@ -21,7 +21,9 @@ from typing import Iterator
 
 # Slice name (the N of <family>-N) -> libtpu topology, per family. v2/v3: N TensorCores
 # = JAX devices (two per chip, a 2D torus of chips); v4/v5p: N TensorCores = N/2 chips
-# of a 3D torus (megacore: one device per chip); v5e/v6e: N chips of a 2D torus.
+# of a 3D torus (megacore: one device per chip); v5e/v6e: N chips of a 2D torus; tpu7x:
+# N TensorCores = JAX devices, N/2 chips of a 3D torus (two devices a chip, no megacore:
+# libtpu's tpu7x:2x2x1 is 8 devices; it refuses 1x1x1, under a host's 2x2x1 chips).
 _2D_CHIPS = {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
              256: "16x16"}
 _3D_CORES = {8: "2x2x1", 16: "2x2x2", 32: "2x2x4", 64: "2x4x4", 128: "4x4x4",
@@ -34,12 +36,13 @@ SLICES = {
     "v5p": (_3D_CORES, {"chip_config_name": "megacore"}),
     "v5e": (_2D_CHIPS, {}),
     "v6e": (_2D_CHIPS, {}),
+    "tpu7x": (_3D_CORES, {}),
 }
 EXTRA_HINT = "pip install 't5x_like[tpu]'"
 
 
 def supported_slices() -> list[str]:
-  """Every single-slice name slice_devices accepts: ['v2-8', ..., 'v6e-256']."""
+  """Every single-slice name slice_devices accepts: ['v2-8', ..., 'tpu7x-512']."""
   return [f"{family}-{n}" for family, (shapes, _) in SLICES.items() for n in shapes]
 
 

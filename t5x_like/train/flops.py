@@ -34,8 +34,8 @@ ModelOrConfig = Union[Model, ModelConfig]
 
 # Dense bf16 peak FLOP/s of one JAX device, by substring of `device.device_kind`
 # (first match wins, so longer names come first; Cloud TPU and NVIDIA datasheets). On
-# TPU v2/v3 a JAX device is one TensorCore (half a chip); from v4 on (megacore) one
-# device is a chip.
+# TPU v2/v3 and TPU7x a JAX device is one TensorCore (half a chip); on v4 to v6e
+# (megacore, or one TensorCore) one device is a chip.
 _PEAK_BF16 = (
     ("TPU v2", 22.5e12),  # 45e12 per chip, 2 cores
     ("TPU v3", 61.5e12),  # 123e12 per chip, 2 cores
@@ -47,6 +47,7 @@ _PEAK_BF16 = (
     ("TPU v5", 459e12),  # v5p reports 'TPU v5'
     ("TPU v6 lite", 918e12),  # v6e (Trillium)
     ("TPU v6e", 918e12),
+    ("TPU7x", 1153.5e12),  # Ironwood: 2307e12 per chip of 2 cores (cloud TPU docs: tpu7x)
     ("H100 PCIe", 756e12),
     ("H100", 989e12),  # SXM, dense (no sparsity)
     ("H200", 989e12),
