@@ -334,7 +334,7 @@ def test_plan_reports_a_refused_compile_as_does_not_fit_with_a_batch_that_fits(
   asked = []
 
   def compile_train_step(model, optimizer, schedule, mesh, rules, batch_shapes,
-                         microbatches=1, eval_step=False, chip=None):
+                         microbatches=1, eval_step=False, chip=None, zero_stage=0):
     rows = batch_shapes["decoder_input_tokens"][0] // mesh.size
     asked.append(rows)
     if rows > 40:

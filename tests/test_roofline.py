@@ -18,7 +18,7 @@ import pytest
 
 from t5x_like import cli
 from t5x_like.command_flags import load_config_file
-from t5x_like.plan import hlo, hlo_cost, recipes, roofline
+from t5x_like.plan import hlo, hlo_bytes, hlo_cost, recipes, roofline
 from t5x_like.plan.report import make_plan
 from t5x_like.plan.text import format_plan, roofline_lines
 from t5x_like.plan.topology import FAMILIES, Topology, parse_topology
@@ -199,7 +199,7 @@ ENTRY %main (p: f32[6,1024], i: s32[], x: f32[8,1]) -> f32[8,1024] {
 def test_tiled_layouts_count_their_padding():
   """XLA:TPU stores whole (8, 128) tiles: f32[256, 64] takes 256 x 128 floats, a scalar
   with T(128) 128 of them."""
-  size = hlo_cost._leaf_size
+  size = hlo_bytes._leaf_size
   assert size("f32", "256,64", "{1,0:T(8,128)}") == (256 * 128 * 4, True)
   assert size("bf16", "4,3,64", "{2,1,0:T(8,128)(2,1)S(1)}") == (4 * 8 * 128 * 2, False)
   assert size("f32", "256,64", "{0,1:T(8,128)}") == (256 * 64 * 4, True)  # 256 is minor
@@ -234,6 +234,251 @@ ENTRY %main (a: f32[256,256], b: f32[256,256]) -> f32[256,256] {
   assert ops["cs"].bytes == size  # HBM read of b; its VMEM copy is free
   assert ops["ss"].bytes == size // 2  # reads half of a from HBM into VMEM
   assert ops["f"].bytes == size  # reads a from HBM; b and the result are in VMEM
+
+
+# ------------------------------------------------------------------ in-place updates
+# XLA:TPU's backward of a scan writes each layer's gradient into the stacked [L, ...]
+# buffer in place: the buffer (operand 0 of the dynamic-update-slice, aliased to the
+# result) is neither read nor written beyond the update, also where the update reaches
+# the fused root through bitcasts, copies, tuples and nested fusions, and where the buffer
+# reaches it through XLA:TPU's aliased re-tiling copy fusion.
+IN_PLACE = """HloModule in_place, num_partitions=1
+
+%retile (input: f32[24,256,512]) -> f32[24,256,512] {
+  %input = f32[24,256,512]{2,1,0} parameter(0)
+  ROOT %copy.1 = f32[24,256,512]{2,1,0} copy(%input)
+}
+
+%write_row (buf.4: f32[24,256,512], upd.4: f32[1,256,512], i.4: s32[]) -> f32[24,256,512] {
+  %buf.4 = f32[24,256,512]{2,1,0} parameter(0)
+  %upd.4 = f32[1,256,512]{2,1,0} parameter(1)
+  %i.4 = s32[] parameter(2)
+  %z.4 = s32[] constant(0)
+  ROOT %dus.4 = f32[24,256,512]{2,1,0} dynamic-update-slice(%buf.4, %upd.4, %i.4, %z.4, %z.4)
+}
+
+%dus_bitcast (buf: f32[24,256,512], upd: f32[1,256,512], i: s32[]) -> f32[24,131072] {
+  %buf = f32[24,256,512]{2,1,0} parameter(0)
+  %upd = f32[1,256,512]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %aliased = f32[24,256,512]{2,1,0} fusion(%buf), kind=kLoop, output_to_operand_aliasing={{}: (0, {})}, calls=%retile
+  %dus = f32[24,256,512]{2,1,0} fusion(%aliased, %upd, %i), kind=kLoop, calls=%write_row
+  ROOT %bc = f32[24,131072]{1,0} bitcast(%dus)
+}
+
+%inner_dus (b.2: f32[8,1024], u.2: f32[1,1024], i.2: s32[]) -> f32[8,1024] {
+  %b.2 = f32[8,1024]{1,0} parameter(0)
+  %u.2 = f32[1,1024]{1,0} parameter(1)
+  %i.2 = s32[] parameter(2)
+  %z.2 = s32[] constant(0)
+  ROOT %dus.2 = f32[8,1024]{1,0} dynamic-update-slice(%b.2, %u.2, %i.2, %z.2)
+}
+
+%dus_tuple (a.1: f32[16,2048], b.1: f32[8,1024], u.1: f32[1,2048], v.1: f32[1,1024], i.1: s32[]) -> (f32[16,2048], f32[8,1024], f32[1,2048]) {
+  %a.1 = f32[16,2048]{1,0} parameter(0)
+  %b.1 = f32[8,1024]{1,0} parameter(1)
+  %u.1 = f32[1,2048]{1,0} parameter(2)
+  %v.1 = f32[1,1024]{1,0} parameter(3)
+  %i.1 = s32[] parameter(4)
+  %z.1 = s32[] constant(0)
+  %view = f32[16,2048]{1,0} bitcast(%a.1)
+  %dus.1 = f32[16,2048]{1,0} dynamic-update-slice(%view, %u.1, %i.1, %z.1)
+  %copied = f32[16,2048]{1,0} copy(%dus.1)
+  %nested = f32[8,1024]{1,0} fusion(%b.1, %v.1, %i.1), kind=kLoop, calls=%inner_dus
+  %twice = f32[1,2048]{1,0} add(%u.1, %u.1)
+  ROOT %t = (f32[16,2048]{1,0}, f32[8,1024]{1,0}, f32[1,2048]{1,0}) tuple(%copied, %nested, %twice)
+}
+
+%dus_fresh (u.3: f32[1,1024], i.3: s32[]) -> f32[8,1024] {
+  %u.3 = f32[1,1024]{1,0} parameter(0)
+  %i.3 = s32[] parameter(1)
+  %zero.3 = f32[] constant(0)
+  %z.3 = s32[] constant(0)
+  %fresh = f32[8,1024]{1,0} broadcast(%zero.3), dimensions={}
+  ROOT %dus.3 = f32[8,1024]{1,0} dynamic-update-slice(%fresh, %u.3, %i.3, %z.3)
+}
+
+ENTRY %main (g: f32[24,256,512], dg: f32[1,256,512], i: s32[], a: f32[16,2048], b: f32[8,1024], u: f32[1,2048], v: f32[1,1024]) -> f32[24,131072] {
+  %g = f32[24,256,512]{2,1,0} parameter(0)
+  %dg = f32[1,256,512]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %a = f32[16,2048]{1,0} parameter(3)
+  %b = f32[8,1024]{1,0} parameter(4)
+  %u = f32[1,2048]{1,0} parameter(5)
+  %v = f32[1,1024]{1,0} parameter(6)
+  %tup = (f32[16,2048]{1,0}, f32[8,1024]{1,0}, f32[1,2048]{1,0}) fusion(%a, %b, %u, %v, %i), kind=kLoop, calls=%dus_tuple
+  %fresh_row = f32[8,1024]{1,0} fusion(%v, %i), kind=kLoop, calls=%dus_fresh
+  ROOT %grads = f32[24,131072]{1,0} fusion(%g, %dg, %i), kind=kLoop, calls=%dus_bitcast
+}
+"""
+
+
+def test_in_place_update_behind_a_bitcast_root_moves_the_update():
+  """bitcast(fusion(dynamic-update-slice(aliased copy(buffer), update))): the
+  f32[1,256,512] update (512 KiB) is read and written; the f32[24,256,512] buffer
+  (12 MiB) is neither read nor written."""
+  ops = {o.name: o for o in hlo_cost.hlo_ops(IN_PLACE)}
+  update = 256 * 512 * 4
+  assert ops["grads"].bytes == update + 4 + update  # read update and index, write update
+
+
+def test_in_place_updates_in_a_tuple_root_through_copies_and_nested_fusions():
+  """tuple(copy(DUS(bitcast(a), u)), fusion(DUS(b, v)), u + u): reads u, v, the index;
+  writes the two updates and the f32[1,2048] sum; a and b (the buffers) not at all."""
+  ops = {o.name: o for o in hlo_cost.hlo_ops(IN_PLACE)}
+  u, v = 2048 * 4, 1024 * 4
+  assert ops["tup"].bytes == (u + v + 4) + (u + v + u)
+
+
+def test_update_of_a_fresh_buffer_writes_all_of_it():
+  """dynamic-update-slice(broadcast(0), row): no buffer comes in, so the whole f32[8,1024]
+  result is written (not in place)."""
+  ops = {o.name: o for o in hlo_cost.hlo_ops(IN_PLACE)}
+  assert ops["fresh_row"].bytes == (1024 * 4 + 4) + 8 * 1024 * 4
+
+
+# ------------------------------------------------------------------ async collectives
+# XLA:TPU (tpu7x) runs the gradient all-reduce on the SparseCore inside an async call:
+# call-start(operand) -> call-done, to_apply= a computation whose root is the
+# all-reduce; that computation closes with `}, execution_thread="sparsecore"`.
+ASYNC_CALL = """HloModule async_call, is_scheduled=true, num_partitions=8
+
+%add.clone (x.4: f32[], y.2: f32[]) -> f32[] {
+  %y.2 = f32[]{:T(128)S(7)} parameter(1)
+  %x.4 = f32[]{:T(128)S(7)} parameter(0)
+  ROOT %add.2 = f32[]{:T(128)S(7)} add(%x.4, %y.2)
+}, execution_thread="sparsecore"
+
+%called_computation (param_0.14: f32[256,256], param_1.14: token[]) -> f32[256,256] {
+  %param_1.14 = token[] parameter(1)
+  %param_0.14 = f32[256,256]{0,1:T(8,128)} parameter(0)
+  ROOT %all-reduce.2 = f32[256,256]{0,1:T(8,128)} all-reduce(%param_0.14), channel_id=1, replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, use_global_device_ids=true, to_apply=%add.clone
+}, execution_thread="sparsecore"
+
+ENTRY %main.0_spmd (param.1: f32[256,256]) -> f32[256,256] {
+  %param.1 = f32[256,256]{0,1:T(8,128)} parameter(0)
+  %prepare_start = s32[]{:S(2)} custom-call(), custom_call_target="PrepareAsyncCallStart"
+  %prepare_done = token[] custom-call(%prepare_start), custom_call_target="PrepareAsyncCallDone"
+  %all-reduce.3.cloned.1.call-start = ((f32[256,256]{0,1:T(8,128)}, token[]), f32[256,256]{0,1:T(8,128)}) call-start(%param.1, %prepare_done), async_execution_thread="sparsecore", to_apply=%called_computation
+  ROOT %all-reduce.3.cloned.1.call-done = f32[256,256]{0,1:T(8,128)} call-done(%all-reduce.3.cloned.1.call-start)
+}
+"""
+
+
+def test_an_async_call_of_an_all_reduce_is_that_all_reduce_once():
+  """f32[256,256] (256 KiB) all-reduced over 8 devices: 2 x 7/8 x bytes / ICI, counted
+  at the call-start; the call-done and the prepare custom calls cost nothing."""
+  ops = hlo_cost.hlo_ops(ASYNC_CALL)
+  grad = 256 * 256 * 4
+  assert [(o.name, o.collective, o.bytes, o.group, o.times) for o in ops] == [
+      ("all-reduce.3.cloned.1.call-start", "all-reduce", grad, 8, 1)]
+  bound = roofline.bound_of_ops(ops, CHIP)
+  assert bound["collective_seconds"] == pytest.approx(2 * 7 / 8 * grad / 1e8, rel=1e-12)
+  assert bound["seconds"] == bound["collective_seconds"]
+  summary = hlo.summarize(hlo.parse_module(ASYNC_CALL))
+  assert summary["collectives"] == {"all-reduce": {"count": 1, "bytes": grad, "ops": 1}}
+
+
+# ------------------------------------------------------------------ loops' trip counts
+def _loop(compare: str, start: str, step: str, bound: str = "s32[] constant(12)",
+          cond_root: str = "") -> str:
+  """A while over (i, bound, x) with no known_trip_count: i starts at `start` (a
+  copied constant, as XLA:TPU writes it), the body adds `step` and runs an
+  f32[8,128] x [128,128] dot; the condition is `compare` (%i, %n)."""
+  return f"""HloModule loop, num_partitions=1
+
+%cmp (ci: s32[], cn: s32[]) -> pred[] {{
+  %ci = s32[] parameter(0)
+  %cn = s32[] parameter(1)
+  ROOT %fused_lt = pred[] compare(%ci, %cn), direction=LT
+}}
+
+%cond (p.1: (s32[], s32[], f32[8,128])) -> pred[] {{
+  %p.1 = (s32[], s32[], f32[8,128]{{1,0}}) parameter(0)
+  %i.1 = s32[]{{:T(128)}} get-tuple-element(%p.1), index=0
+  %n = {bound}
+  ROOT %c = pred[] {compare}{cond_root}
+}}
+
+%body (p.2: (s32[], s32[], f32[8,128])) -> (s32[], s32[], f32[8,128]) {{
+  %p.2 = (s32[], s32[], f32[8,128]{{1,0}}) parameter(0)
+  %i.2 = s32[] get-tuple-element(%p.2), index=0
+  %m.2 = s32[] get-tuple-element(%p.2), index=1
+  %x.2 = f32[8,128]{{1,0}} get-tuple-element(%p.2), index=2
+  %step = s32[] constant({step})
+  %next = s32[] add(%i.2, %step)
+  %y.2 = f32[8,8]{{1,0}} dot(%x.2, %x.2), lhs_contracting_dims={{1}}, rhs_contracting_dims={{1}}
+  ROOT %out = (s32[], s32[], f32[8,128]{{1,0}}) tuple(%next, %m.2, %x.2)
+}}
+
+ENTRY %main (x: f32[8,128], limit: s32[]) -> f32[8,128] {{
+  %x = f32[8,128]{{1,0}} parameter(0)
+  %limit = s32[] parameter(1)
+  %k = s32[] constant({start})
+  %start = s32[]{{:T(128)}} copy(%k)
+  %eighteen = s32[] constant(18)
+  %init = (s32[], s32[], f32[8,128]{{1,0}}) tuple(%start, %eighteen, %x)
+  %w = (s32[], s32[], f32[8,128]{{1,0}}) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[8,128]{{1,0}} get-tuple-element(%w), index=2
+}}
+"""
+
+
+@pytest.mark.parametrize("compare, start, step, bound, trips", [
+    ("compare(%i.1, %n), direction=LT", 2, 1, "s32[] constant(12)", 10),  # 2..11
+    ("compare(%i.1, %n), direction=LT", 1, 2, "s32[] constant(11)", 5),  # 1, 3, .., 9
+    ("compare(%i.1, %n), direction=GT", 6, -1, "s32[] constant(0)", 6),  # 6..1
+    ("compare(%i.1, %n), direction=NE", 0, 3, "s32[] constant(9)", 3),  # 0, 3, 6
+    ("compare(%n, %i.1), direction=GE", 2, 1, "s32[] constant(8)", 7),  # 8 >= i: 2..8
+    ("compare(%n, %i.1), direction=GT", 0, 4, "s32[] constant(10)", 3),  # 0, 4, 8
+    # the bound a loop-invariant element of the state: its init, 18
+    ("compare(%i.1, %n), direction=LT", 0, 1, "s32[] get-tuple-element(%p.1), index=1", 18),
+    ("compare(%n, %i.1), direction=GT", 9, 1, "s32[] get-tuple-element(%p.1), index=1", 9),
+    # XLA:TPU's fused compare: fusion(i, n) calls compare(param 0, param 1)
+    ("fusion(%i.1, %n), kind=kLoop, calls=%cmp", 3, 1, "s32[] constant(21)", 18),
+])
+def test_a_loop_without_known_trip_count_reads_it_off_its_condition(compare, start,
+                                                                    step, bound, trips):
+  text = _loop(compare, start, step, bound)
+  module = hlo.parse_module(text)
+  _, loops = hlo.multiplicities(module)
+  assert [loop["trip_count"] for loop in loops] == [trips]
+  dot, = [o for o in hlo_cost.hlo_ops(text) if o.opcode == "dot"]
+  assert (dot.times, dot.flops) == (trips, 2 * 8 * 8 * 128)
+
+
+def test_a_loop_bounded_by_a_runtime_value_runs_once_and_is_named():
+  """i < limit, limit an argument: no count follows; the body counts once and roofline()
+  lists the loop so that a report can say so."""
+  text = _loop("compare(%i.1, %n), direction=LT", 0, 1, "s32[] get-tuple-element(%p.1),"
+               " index=1").replace("tuple(%start, %eighteen, %x)", "tuple(%start, %limit, %x)")
+  _, loops = hlo.multiplicities(hlo.parse_module(text))
+  assert [loop["trip_count"] for loop in loops] == [None]
+  compiled = types.SimpleNamespace(as_text=lambda: text, cost_analysis=lambda: {})
+  bound = roofline.roofline(compiled, CHIP, model_flops=4 * 2 * 8 * 8 * 128)
+  assert bound["unknown_trip_loops"] == ["w"]
+  assert bound["flops_ratio"] == pytest.approx(1 / 4) and bound["flops_mismatch"] is True
+
+
+def test_flops_ratio_flags_hlo_flops_off_the_model_flops_by_more_than_10_percent():
+  """FIXTURE: 5 x 2 x 512 x 512 x 1024 + 1e6 FLOPs per device over 4 devices."""
+  per_device = 5 * 2 * 512 * 512 * 1024 + 1e6
+  ops = hlo_cost.hlo_ops(FIXTURE)
+  for model, ratio, mismatch in ((4 * per_device, 1.0, False),
+                                 (4 * per_device / 1.08, 1.08, False),
+                                 (4 * per_device / 0.85, 0.85, True),
+                                 (2 * per_device, 2.0, True)):
+    bound = roofline.bound_of_ops(ops, CHIP, model_flops=model, num_devices=4)
+    assert bound["flops_ratio"] == pytest.approx(ratio)
+    assert bound["flops_mismatch"] is mismatch
+  bound = roofline.bound_of_ops(ops, CHIP)
+  assert (bound["flops_ratio"], bound["flops_mismatch"]) == (None, None)
+  # with_model_flops: the kernel FLOPs the HLO cannot see count too (1e9 per device)
+  more = roofline.with_model_flops(bound, 4 * (per_device + 1e9), 4, extra_flops=1e9)
+  assert more["flops_ratio"] == pytest.approx(1.0) and more["flops_mismatch"] is False
+  more = roofline.with_model_flops(bound, 4 * (per_device + 1e9), 4)
+  assert more["flops_ratio"] == pytest.approx(per_device / (per_device + 1e9))
+  assert more["flops_mismatch"] is True
 
 
 def test_cpu_compiled_matmul_bound_is_its_flops_over_peak_or_bytes_over_bandwidth():

@@ -10,7 +10,7 @@ of instructions (`[ROOT] %name = TYPE opcode(%operand, ...), attr=..., ...`); a
 computation reaches others through calls= (fusions, async wrappers), body= /
 condition= (while loops), to_apply= (reductions) and branch_computations= (conditionals).
 Each computation runs `multiplicity` times per step: the sum over its call sites of
-the caller's multiplicity, times the trip count for a while body.
+the caller's multiplicity, times the trip count for a while body (hlo_loops.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import dataclasses
 import math
 import re
 from typing import Optional
+
+from t5x_like.plan.hlo_loops import trip_count
 
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2,
                 "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
@@ -41,7 +43,7 @@ class Instruction:
   operands: list[str]
   attrs: str  # everything after the operand list
   callees: dict[str, list[str]]  # edge kind (calls, body, ...) -> computation names
-  literal: Optional[str] = None  # a constant's value: constant(5) -> '5'
+  literal: Optional[str] = None  # constant(5), parameter(5) -> '5'
 
   @property
   def bytes(self) -> int:
@@ -138,7 +140,7 @@ def parse_instruction(line: str) -> Optional[tuple[Instruction, bool]]:
   callees: dict[str, list[str]] = {}
   for kind, target in _EDGE.findall(attrs):
     callees.setdefault(kind, []).extend(re.findall(r"%([\w.\-]+)", target))
-  literal = operand_text.strip() if op.group(1) == "constant" else None
+  literal = operand_text.strip() if op.group(1) in ("constant", "parameter") else None
   return Instruction(m.group(2), op.group(1), parse_type(type_text), operands, attrs,
                      callees, literal), bool(m.group(1))
 
@@ -154,7 +156,7 @@ def parse_module(text: str) -> Module:
         if header.group(1):
           entry = current.name
       continue
-    if line.strip() == "}":
+    if line.lstrip().startswith("}"):  # also `}, execution_thread="sparsecore"`
       computations[current.name] = current
       current = None
       continue
@@ -169,54 +171,12 @@ def parse_module(text: str) -> Module:
   return Module(computations, entry)
 
 
-# ------------------------------------------------------------------ trip counts
-def trip_count(module: Module, caller: Computation, loop: Instruction) -> Optional[int]:
-  """The iterations of a while instruction: XLA's known_trip_count when the backend
-  config carries it, else `i < N` in the condition with i starting from a constant."""
-  m = re.search(r'"known_trip_count":\{"n":"(\d+)"', loop.attrs)
-  if m:
-    return int(m.group(1))
-  cond = module.computations.get(loop.callees.get("condition", [""])[0])
-  if cond is None or cond.root is None:
-    return None
-  compare = cond.instructions[cond.root]
-  if compare.opcode != "compare" or len(compare.operands) != 2:
-    return None
-  direction = re.search(r"direction=(\w+)", compare.attrs)
-  direction = direction.group(1) if direction else ""
-  a, b = compare.operands
-  limit, counter = cond.instructions.get(b), cond.instructions.get(a)
-  if direction in ("GT", "GE"):  # N > i
-    limit, counter = counter, limit
-    direction = {"GT": "LT", "GE": "LE"}[direction]
-  if limit is None or counter is None or limit.opcode != "constant" or \
-     counter.opcode != "get-tuple-element" or direction not in ("LT", "LE"):
-    return None
-  n = _int(limit.literal)
-  index = re.search(r"index=(\d+)", counter.attrs)
-  if n is None or index is None:
-    return None
-  start = 0  # the while's init tuple usually holds the counter's constant start
-  init = caller.instructions.get(loop.operands[0]) if loop.operands else None
-  if init is not None and init.opcode == "tuple" and int(index.group(1)) < len(init.operands):
-    first = caller.instructions.get(init.operands[int(index.group(1))])
-    if first is not None and first.opcode == "constant" and _int(first.literal) is not None:
-      start = _int(first.literal)
-  return max(0, n - start + (direction == "LE"))
-
-
-def _int(literal: Optional[str]) -> Optional[int]:
-  try:
-    return int(literal)
-  except (TypeError, ValueError):
-    return None
-
-
 # ------------------------------------------------------------------ multiplicity
 def multiplicities(module: Module, trips: bool = True) -> tuple[dict[str, int], list[dict]]:
   """({computation: times it runs per step}, the while loops with their trip counts).
 
-  trips=False counts each loop body once, as XLA's cost analysis does.
+  trips=False counts each loop body once, as XLA's cost analysis does. A loop whose
+  count cannot be read (trip_count None) runs its body once: the caller can say so.
   """
   order, seen = [], set()
 
@@ -241,7 +201,7 @@ def multiplicities(module: Module, trips: bool = True) -> tuple[dict[str, int], 
         loops.append({"name": inst.name, "computation": name, "trip_count": n,
                       "op_name": _op_name(inst)})
       for kind, names in inst.callees.items():
-        if inst.opcode in ("async-update", "async-done"):
+        if inst.opcode in ("async-update", "async-done", "call-update", "call-done"):
           continue  # the async-start's edge already counts the wrapped computation
         factor = (n or 1) if trips and kind in ("body", "condition") else 1
         for callee in names:

@@ -32,7 +32,9 @@ slices (data-center network) are costed at the same ICI bandwidth (optimistic).
 `seconds` = compute + memory + collectives: nothing overlaps. `overlap_seconds` =
 max(compute + memory, collectives): collectives hidden entirely behind the other work.
 The MFU ceiling is model FLOPs / (seconds x devices x peak): the best MFU the program
-could reach on this chip.
+could reach on this chip. `flops_ratio` is the HLO's FLOPs (all devices) over the model
+FLOPs, `flops_mismatch` whether it is off 1 by more than 10%: a loop the walk counts once
+(its trip count unread; roofline() lists it in `unknown_trip_loops`) reads low.
 
 Kernels whose FLOPs the HLO cannot see (Pallas without a cost estimate) are listed in
 `uncounted_kernels`; the caller may add their FLOPs (with_model_flops' extra_flops, e.g.
@@ -48,7 +50,7 @@ import dataclasses
 import re
 from typing import Any, Optional
 
-from t5x_like.plan.hlo_cost import Op, hlo_ops
+from t5x_like.plan.hlo_cost import Op, hlo_ops, hlo_ops_and_loops
 
 _RING_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n,
                 "all-gather": lambda n: (n - 1) / n,
@@ -140,7 +142,19 @@ def bound_of_ops(ops: list[Op], chip: Chip, extra_flops: float = 0.0,
   }
   if model_flops is not None and total > 0:
     out["mfu_ceiling"] = model_flops / (total * num_devices * chip.peak_flops)
-  return out
+  return dict(out, **flops_check(out["flops"], model_flops, num_devices))
+
+
+def flops_check(flops: float, model_flops: Optional[float],
+                num_devices: int) -> dict[str, Any]:
+  """{'flops_ratio': HLO FLOPs (per device, x num_devices) / model FLOPs,
+  'flops_mismatch': whether it is off 1 by more than 10%} (None without model FLOPs): a
+  program the walk is partly blind to (a loop counted once) reads low; rematerialized
+  forwards read high (8/6 with full remat)."""
+  if not model_flops:
+    return {"flops_ratio": None, "flops_mismatch": None}
+  ratio = flops * num_devices / model_flops
+  return {"flops_ratio": ratio, "flops_mismatch": abs(ratio - 1) > 0.1}
 
 
 def roofline(compiled, chip: Chip, model_flops: Optional[float] = None,
@@ -152,11 +166,12 @@ def roofline(compiled, chip: Chip, model_flops: Optional[float] = None,
   ceiling; num_devices: devices the program runs on (default: the module's partitions).
   """
   text = compiled.as_text()
-  ops = hlo_ops(text, num_devices)
+  ops, loops = hlo_ops_and_loops(text, num_devices)
   if num_devices is None:
     parts = re.search(r"num_partitions=(\d+)", text)
     num_devices = int(parts.group(1)) if parts else 1
   out = bound_of_ops(ops, chip, extra_flops, model_flops, num_devices)
+  out["unknown_trip_loops"] = [loop["name"] for loop in loops if loop["trip_count"] is None]
   once = hlo_ops(text, num_devices, trips=False)
   out["bytes_once"] = sum(op.times * op.bytes for op in once if not op.collective)
   out["flops_once"] = sum(op.times * op.flops for op in once if not op.collective)
@@ -183,7 +198,7 @@ def with_model_flops(bound: dict[str, Any], model_flops: float, num_devices: int
                                out["collective_seconds"])
   out["mfu_ceiling"] = (model_flops / (out["seconds"] * num_devices * peak)
                         if out["seconds"] > 0 else None)
-  return out
+  return dict(out, **flops_check(out["flops"], model_flops, num_devices))
 
 
 
