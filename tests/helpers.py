@@ -108,6 +108,19 @@ def wait_for_step(workdir: str, proc: subprocess.Popen, step: int, timeout: floa
   raise AssertionError(f"step {step} not reached in {timeout}s")
 
 
+def killed_and_resumed(config: str, workdir: str, *flags: str,
+                       step: int = 8) -> subprocess.CompletedProcess:
+  """`t5x-like train` of config in workdir, SIGKILLed once it has passed `step` with a
+  committed checkpoint, then run again to its end (the rerun's CompletedProcess)."""
+  import signal
+  proc = subprocess.Popen(train_command(config, workdir, *flags), env=child_env(), cwd=ROOT,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  wait_for_step(workdir, proc, step, checkpoint=True)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  return run_child(train_command(config, workdir, *flags))
+
+
 def free_port() -> int:
   """A free local TCP port (for a jax.distributed coordinator)."""
   import socket

@@ -7,8 +7,6 @@ never from the mixture's own tables."""
 
 import math
 import os
-import signal
-import subprocess
 
 import numpy as np
 import pytest
@@ -22,9 +20,8 @@ from t5x_like.data.sources import source_from_spec
 from t5x_like.data.tokenize import build_store
 from t5x_like.data.vocab import default_vocab
 from t5x_like.experiment import build_data
-from helpers import (ROOT, child_env, committed_checkpoints, jsonl_rows, load_config, losses,
-                     run_child, train_command, train_two_processes,
-                     wait_for_step)
+from helpers import (ROOT, committed_checkpoints, jsonl_rows, killed_and_resumed, load_config,
+                     losses, run_child, train_command, train_two_processes)
 
 AUSTEN = "embedded:austen_pride_and_prejudice"
 WELLS = "embedded:wells_the_time_machine"
@@ -247,12 +244,7 @@ def test_sigkill_and_resume_equal_an_uninterrupted_mixture_run(tmp_path):
   expected = losses(full)
   assert sorted(expected) == list(range(1, 21))
   killed = str(tmp_path / "killed")
-  proc = subprocess.Popen(train_command("bert_cpu.py:smoke", killed, *MIX), env=child_env(),
-                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-  wait_for_step(killed, proc, 8, checkpoint=True)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  resumed = run_child(train_command("bert_cpu.py:smoke", killed, *MIX))
+  resumed = killed_and_resumed("bert_cpu.py:smoke", killed, *MIX)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "resumed from step" in resumed.stdout + resumed.stderr
   assert losses(killed) == expected  # float32 on CPU: identical

@@ -8,9 +8,6 @@ The slow tier kills a stage-2 run with SIGKILL and resumes it: the losses equal 
 uninterrupted run's, bit for bit.
 """
 
-import signal
-import subprocess
-
 import jax
 import numpy as np
 import pytest
@@ -23,7 +20,7 @@ from t5x_like.train.defaults import default_config
 from t5x_like.train.optimizers import make_optimizer
 from t5x_like.train.state import create_train_state
 from t5x_like.train.step import make_train_step
-from helpers import ROOT, child_env, losses, run_child, train_command, wait_for_step
+from helpers import ROOT, killed_and_resumed, losses, run_child, train_command
 
 RULES = parallel.DEFAULT_RULES
 VOCAB, B, L, P_MLM = 64, 32, 16, 4
@@ -133,13 +130,7 @@ def test_a_zero_2_run_killed_and_resumed_gives_the_uninterrupted_losses(tmp_path
   expected = losses(full)
   assert sorted(expected) == list(range(1, 21))
   killed = str(tmp_path / "killed")
-  proc = subprocess.Popen(train_command("bert_cpu.py:smoke", killed, *flags),
-                          env=child_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
-  wait_for_step(killed, proc, 8, checkpoint=True)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  resumed = run_child(train_command("bert_cpu.py:smoke", killed, *flags))
+  resumed = killed_and_resumed("bert_cpu.py:smoke", killed, *flags)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "resumed from step" in resumed.stdout + resumed.stderr
   assert losses(killed) == expected  # float32 on CPU: identical
