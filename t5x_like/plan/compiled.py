@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from t5x_like import parallel
+from t5x_like.plan import compiler_estimate as estimate_lib
 from t5x_like.plan import hlo
 from t5x_like.plan import roofline as roofline_lib
 from t5x_like.train.state import abstract_train_state
@@ -64,9 +65,11 @@ def analyze(compiled, num_devices: int,
   scanned layer stack: one layer); flops_corrected_per_device adds the matmul FLOPs of
   the loops' other iterations, from the optimized HLO (hlo.summarize). With `chip`, the
   program's roofline on it under 'roofline' (roofline.py; no MFU ceiling: the caller
-  knows the model FLOPs), else None.
+  knows the model FLOPs), else None; with a TPU `chip`, libtpu's own estimated step time
+  beside it under 'compiler_estimate' (compiler_estimate.py; no MFU either), else None.
   """
-  summary = hlo.summarize(hlo.parse_module(compiled.as_text()))
+  text = compiled.as_text()
+  summary = hlo.summarize(hlo.parse_module(text))
   per_device = _flops(compiled)
   corrected = per_device + summary["matmul_flops"] - summary["matmul_flops_once"]
   return {"memory": xla_memory(compiled), "flops_per_device": per_device,
@@ -78,7 +81,9 @@ def analyze(compiled, num_devices: int,
           "loops": [{k: loop[k] for k in ("trip_count", "op_name")}
                     for loop in summary["loops"]],
           "roofline": None if chip is None else roofline_lib.roofline(compiled, chip,
-                                                                      num_devices=num_devices)}
+                                                                      num_devices=num_devices),
+          "compiler_estimate": None if chip is None else estimate_lib.estimate(
+              text, chip, num_devices)}
 
 
 def _replicated_key(mesh: Mesh):

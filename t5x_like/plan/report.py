@@ -7,7 +7,10 @@ Per phase (config.train.phases, else one): batch shapes, FLOPs per step
 (train/flops.py), step time and wall-clock at the assumed MFU, the per-device memory
 estimate (memory.py) and whether it fits; where the topology's devices are present
 (or, with compile_step='yes', a TPU slice libtpu can describe), XLA's analyses of the
-compiled train and eval steps beside them: memory, FLOPs, collectives, fused kernels.
+compiled train and eval steps beside them: memory, FLOPs, collectives, fused kernels,
+the roofline step time (roofline.py) with its MFU ceiling, against which the assumed
+MFU is judged ('assumed_mfu'), and on TPU libtpu's own estimated step time and MFU
+(compiler_estimate.py, xla['compiler_estimate']).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from t5x_like import parallel
 from t5x_like.data.mixture import describe_data
 from t5x_like.models.attention_core import tracing_for
 from t5x_like.plan import compiled as compiled_lib
+from t5x_like.plan import compiler_estimate as estimate_lib
 from t5x_like.plan import fit as fit_lib
 from t5x_like.plan import remat as remat_lib
 from t5x_like.plan.memory import estimate_memory, per_device_batch_shapes
@@ -126,6 +130,7 @@ def _phase_json(phase: Phase, model, optimizer, schedule, mesh, table, topology:
       "step_seconds": step_seconds, "seconds": step_seconds * phase.steps,
       "step_seconds_at_mfu": step_seconds, "seconds_at_mfu": step_seconds * phase.steps,
       "roofline": None,  # compiled: the step-time bound (roofline.py), then the headline
+      "assumed_mfu": None,  # compiled: the assumed MFU against the roofline's ceiling
       "memory": memory.to_json(),
       "fits": _fits(memory.total, topology),
       "xla": None,
@@ -156,6 +161,11 @@ def _phase_json(phase: Phase, model, optimizer, schedule, mesh, table, topology:
     if out["roofline"] is not None:
       out["step_seconds"] = out["roofline"]["seconds"]
       out["seconds"] = out["step_seconds"] * phase.steps
+      xla["compiler_estimate"] = estimate_lib.with_model_flops(
+          xla.get("compiler_estimate"), flops, topology.num_devices,
+          out["roofline"]["extra_flops"], out["roofline"].get("extra_flops_source"))
+    out["assumed_mfu"] = _assumed_mfu(mfu, out["roofline"], xla.get("compiler_estimate"),
+                                      flops, topology, phase.steps)
     if fit is not None:
       out["fit_batch"] = fit(phase, xla["memory"]["total_bytes"])
   return out
@@ -183,6 +193,23 @@ def _roofline(xla: dict, model, phase: Phase, flops: float,
   return roofline_lib.with_model_flops(
       bound, flops, topology.num_devices, extra,
       f"analytic attention FLOPs for {', '.join(sorted(hidden))}" if hidden else None)
+
+
+def _assumed_mfu(mfu: float, bound: Optional[dict], estimate: Optional[dict], flops: float,
+                 topology: Topology, steps: int) -> Optional[dict]:
+  """The assumed MFU against the roofline's MFU ceiling (the best this compiled step can
+  reach): above it, the plan's time at that MFU is one the step cannot run in, and the
+  time at the ceiling (the roofline's) is the truer one. With libtpu's estimate, its MFU
+  (also an upper bound) beside. None without a roofline."""
+  ceiling = bound.get("mfu_ceiling") if bound else None
+  if not ceiling:
+    return None
+  at_ceiling = flops / (topology.num_devices * topology.peak_flops * ceiling)
+  compiler = estimate.get("mfu") if estimate else None
+  return {"mfu": mfu, "ceiling": ceiling, "above_ceiling": mfu > ceiling,
+          "step_seconds_at_ceiling": at_ceiling, "seconds_at_ceiling": at_ceiling * steps,
+          "compiler_mfu": compiler,
+          "above_compiler_mfu": None if compiler is None else mfu > compiler}
 
 
 def _judge(xla: dict, analytic_flops: float, topology: Topology) -> None:
@@ -301,6 +328,8 @@ def _make_plan(config: ml_collections.ConfigDict, topology: Topology, *, mfu: fl
                 "seconds": seconds, "days": seconds / 86400,
                 "seconds_at_mfu": seconds_at_mfu,
                 "roofline": all(p["roofline"] is not None for p in planned),
+                "mfu_above_ceiling": [p["index"] for p in planned
+                                      if (p.get("assumed_mfu") or {}).get("above_ceiling")],
                 "peak_memory_bytes": peak,
                 "fits": False if refused else _fits(peak, topology)},
       "compiled": real_mesh is not None,

@@ -100,6 +100,14 @@ def collective_seconds(op: Op, ici_bandwidth: float) -> float:
   return _RING_FACTOR[op.collective](n) * op.bytes / ici_bandwidth
 
 
+def op_seconds(op: Op, chip: Chip) -> float:
+  """One op's roofline seconds per step, all its runs: max(flops / peak, bytes / HBM
+  bandwidth) per run, or a collective's ring time."""
+  if op.collective:
+    return op.times * collective_seconds(op, chip.ici_bandwidth)
+  return op.times * max(op.flops / chip.peak_flops, op.bytes / chip.hbm_bandwidth)
+
+
 def bound_of_ops(ops: list[Op], chip: Chip, extra_flops: float = 0.0,
                  model_flops: Optional[float] = None,
                  num_devices: int = 1) -> dict[str, Any]:
@@ -110,14 +118,12 @@ def bound_of_ops(ops: list[Op], chip: Chip, extra_flops: float = 0.0,
   uncounted: dict[str, int] = {}
   slowest = []
   for op in ops:
+    seconds = op_seconds(op, chip)
     if op.collective:
-      seconds = op.times * collective_seconds(op, chip.ici_bandwidth)
       comm += seconds
       comm_bytes += op.times * op.bytes
     else:
-      t_flops, t_bytes = op.flops / chip.peak_flops, op.bytes / chip.hbm_bandwidth
-      seconds = op.times * max(t_flops, t_bytes)
-      if t_flops >= t_bytes:
+      if op.flops / chip.peak_flops >= op.bytes / chip.hbm_bandwidth:
         compute += seconds
       else:
         memory += seconds

@@ -195,9 +195,12 @@ def _phase(phase: dict, plan: dict) -> list[str]:
       lines.append(_xla_flops("eval step ", x["eval"]))
   at_mfu = phase.get("step_seconds_at_mfu", phase["step_seconds"])
   lines.append(f"  at {plan['mfu']:.0%} MFU: {human_seconds(at_mfu)} per step,"
-               f" {human_seconds(at_mfu * phase['steps'])} for the phase")
+               f" {human_seconds(at_mfu * phase['steps'])} for the phase"
+               + above_ceiling(phase.get("assumed_mfu")))
   if phase.get("roofline"):
     lines += roofline_lines(phase["roofline"], phase["steps"])
+    if x and x.get("compiler_estimate") is not None:
+      lines += compiler_estimate_lines(x["compiler_estimate"], phase["steps"])
   lines += _memory(phase, plan)
   if x:
     lines += _collectives(x) + _kernels(x)
@@ -225,6 +228,76 @@ def roofline_lines(r: dict, steps: int) -> list[str]:
   elif r.get("uncounted_kernels"):
     lines.append("    FLOPs not counted (kernels without a cost estimate): "
                  + ", ".join(f"{k} x{n}" for k, n in sorted(r["uncounted_kernels"].items())))
+  return lines
+
+
+def above_ceiling(assumed) -> str:
+  """' -- ABOVE the roofline's MFU ceiling ...' where the assumed MFU (report's
+  'assumed_mfu') is more than the compiled step can reach, with the time at the ceiling;
+  '' otherwise."""
+  if not assumed or not assumed["above_ceiling"]:
+    return ""
+  compiler = (f"; libtpu's estimate allows at most {assumed['compiler_mfu']:.1%}"
+              if assumed.get("compiler_mfu") else "")
+  return (f" -- ABOVE the roofline's MFU ceiling {assumed['ceiling']:.1%}{compiler}: at the"
+          f" ceiling {human_seconds(assumed['step_seconds_at_ceiling'])} per step,"
+          f" {human_seconds(assumed['seconds_at_ceiling'])} for the phase")
+
+
+def fine_seconds(s: float) -> str:
+  """Three significant figures in s, ms, us or ns (one op's time)."""
+  for unit, size in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+    if s >= size:
+      return f"{s / size:.3g} {unit}"
+  return f"{s / 1e-9:.3g} ns"
+
+
+def _estimated_op(row: dict) -> str:
+  where = f" ({row['op_name']})" if row.get("op_name") else ""
+  bound = (fine_seconds(row["roofline_seconds"]) if row["roofline_seconds"] > 0
+           else "nothing (no HBM traffic or FLOPs it can see)")
+  apart = ""
+  if row["disagree"]:
+    apart = (f": {row['ratio']:.1f}x apart" if row["ratio"] and row["ratio"] >= 1 else
+             f": {1 / row['ratio']:.1f}x apart" if row["ratio"] else "") + " <- DISAGREE"
+  return (f"      {row['name']} x{row['times']}{where}: {fine_seconds(row['seconds'])},"
+          f" roofline {bound}{apart}")
+
+
+def compiler_estimate_lines(e: dict, steps: int) -> list[str]:
+  """libtpu's estimated step time (plan/compiler_estimate.py) beside the roofline: the
+  total, its parts (estimated ops, the roofline of the ops and collectives without an
+  estimate), the MFU it allows, its slowest ops against the roofline's, and the ops
+  where the two disagree by more than 2x."""
+  kind = e["device_kind"]
+  if not e["ops_with_estimate"]:
+    return [f"  no compiler estimate in this program (libtpu gives none for {kind})"]
+  if e["seconds"] is None:
+    return [f"  compiler estimate: {e['cycles']:,} cycles over {e['ops_with_estimate']}"
+            f" ops, but no calibrated clock for {kind} (compiler_estimate.calibrate on one"
+            f" of its devices gives one)"]
+  from t5x_like.plan.compiler_estimate import CALIBRATION_N
+  mfu = f"; MFU <= {e['mfu']:.1%}" if e.get("mfu") else ""
+  comm = ("libtpu estimates none" if not e["collectives_estimated"] else
+          f"libtpu estimates {e['collectives_estimated']} of them")
+  extra = (f" + {e['extra_flops']:.4g} FLOPs at peak ({e['extra_flops_source']})"
+           if e.get("extra_flops") else "")
+  lines = [f"  compiler estimate (libtpu {e.get('libtpu') or e['table_libtpu']}"
+           f" estimated_cycles at {e['clock_hz'] / 1e9:.3f} GHz, the clock at which its"
+           f" {CALIBRATION_N}^3 bf16 matmul runs at peak): step >="
+           f" {human_seconds(e['combined_seconds'])} = estimated"
+           f" {human_seconds(e['seconds'])} ({e['ops_with_estimate']} ops) + roofline"
+           f" {human_seconds(e['uncovered_roofline_seconds'])} ({e['ops_without']} ops"
+           f" without an estimate{extra}) + collectives"
+           f" {human_seconds(e['collective_seconds'])} (roofline; {comm}){mfu};"
+           f" {human_seconds(e['combined_seconds'] * steps)} for the phase"]
+  if e["top"]:
+    lines.append("    slowest estimated ops (estimate, and the roofline of the same op):")
+    lines += [_estimated_op(row) for row in e["top"]]
+  apart = [row["name"] for row in e["top"] if row["disagree"]]
+  if apart:
+    lines.append(f"    estimate and roofline disagree by more than 2x on: {', '.join(apart)}"
+                 f" ({e['disagree']} of the {e['ops_with_estimate']} estimated ops in all)")
   return lines
 
 
@@ -267,6 +340,10 @@ def format_plan(plan: dict, source: str = "config") -> str:
   time = (f"{human_seconds(total['seconds'])} by the roofline bound"
           f" ({human_seconds(at_mfu)} at {plan['mfu']:.0%} MFU)" if total.get("roofline")
           else f"{human_seconds(at_mfu)} at {plan['mfu']:.0%} MFU")
+  above = total.get("mfu_above_ceiling")
+  if above:
+    time += (f"; the assumed {plan['mfu']:.0%} MFU is above the roofline's MFU ceiling in"
+             f" phase{'s' if len(above) > 1 else ''} {', '.join(str(i + 1) for i in above)}")
   lines += ["", f"total: {total['steps']:,} steps, {total['flops']:.4g} FLOPs,"
             f" {time}; peak memory"
             f" {human_bytes(total['peak_memory_bytes'])} per device{of}:"
