@@ -136,11 +136,11 @@ def evaluate(config: ml_collections.ConfigDict, candidate: Candidate, devices,
                mfu_ceiling=bound["mfu_ceiling"], hlo_flops=bound["flops"],
                hlo_bytes=bound["bytes"], xla_flops=bound.get("xla_flops"),
                xla_bytes_accessed=bound.get("xla_bytes_accessed"))
-  estimate = xla.get("compiler_estimate")
-  if estimate and estimate.get("seconds"):
-    row["estimated_seconds"] = estimate["seconds"]
-    row["estimated_mfu"] = flops / (estimate["seconds"] * mesh.size * chip.peak_flops) \
-        if chip else None
+  estimate = xla.get("compiler_estimate")  # the whole step: estimated + the rest
+  if estimate and estimate.get("ops_with_estimate") and estimate.get("combined_seconds"):
+    row["estimated_seconds"] = estimate["combined_seconds"]
+    row["estimated_mfu"] = flops / (estimate["combined_seconds"] * mesh.size *
+                                    chip.peak_flops) if chip else None
   return row
 
 
